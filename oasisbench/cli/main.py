@@ -1,0 +1,31 @@
+"""The ``oasisbench`` command: one module per command group, registered here."""
+
+from __future__ import annotations
+
+import typer
+
+from oasisbench.cli import models
+from oasisbench.cli.compare import compare_cmd
+from oasisbench.cli.gate import gate_cmd
+from oasisbench.cli.generate import generate_cmd
+from oasisbench.cli.report import report_cmd
+
+app = typer.Typer(
+    name="oasisbench",
+    help="Benchmark OasisKV (look-ahead sparse KV prefetching) against dense and sparse baselines in one engine.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.command("generate")(generate_cmd)
+app.add_typer(models.app, name="models")
+app.command("report")(report_cmd)
+app.command("compare")(compare_cmd)
+app.command("gate")(gate_cmd)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Option aliases shared by every command that builds an engine (huggingface_hub CLI style)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from oasiskv_runtime.models.assets import DEFAULT_MODEL
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Packaged model name, random-weight preset "
+                                       "(qwen3-8b, llama-3.1-8b, qwen3-32b), HF directory or .gguf file.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N. Default: cuda when present.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16. Default: bfloat16 on "
+                                       "CUDA, float32 on CPU.")]
+ModeOpt = Annotated[str, typer.Option("--mode", help="dense, sparse-resident, fetch-on-demand, proxy-prefetch, "
+                                      "oasiskv.")]
+KvGbOpt = Annotated[float | None, typer.Option("--kv-cache-gb", help="Device KV budget in GiB (the HBM "
+                                               "capacity wall).")]
+TopKOpt = Annotated[int, typer.Option("--top-k-blocks", help="Working-set blocks per KV head (+1 local).")]
+FetchRatioOpt = Annotated[float, typer.Option("--fetch-ratio", help="Per-step admission cap as a fraction of "
+                                              "top-k-blocks.")]
+DraftOpt = Annotated[str, typer.Option("--draft", help="Draft source for oasiskv: ngram, layerskip[:N], "
+                                       "model:<path>, eagle3:<path>, oracle.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Engine and workload seed.")]
+
+DEFAULT_MODEL_NAME = DEFAULT_MODEL
+
+
+def default_device(device: str | None) -> str:
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(dtype: str | None, device: str) -> str:
+    if dtype:
+        return dtype
+    return "float32" if device == "cpu" else "bfloat16"

@@ -1,0 +1,252 @@
+"""Markdown reports: one run (:func:`render_report`) and two runs side by side (:func:`compare_runs`).
+
+Example::
+
+    run = load_run(Path("results/throughput-smoke/20261129-101500-ab12"))
+    (run.path / "report.md").write_text(render_report(run))
+    print(compare_runs(baseline_run, run))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from oasisbench.results.plots import LINE_PLOTS, ROOFLINE_PNG
+from oasisbench.results.schema import (
+    SPARSE_ONLY_POINT_KEYS,
+    Record,
+    Run,
+    metric_value,
+    normalize_value,
+    point_id,
+)
+
+#: (metric, column header) of the per-context tables; bytes are shown in MiB to stay readable.
+REPORT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("completed", "done"),
+    ("output_throughput", "out tok/s"),
+    ("median_ttft_ms", "TTFT p50 ms"),
+    ("median_tpot_ms", "TPOT p50 ms"),
+    ("p99_tpot_ms", "TPOT p99 ms"),
+    ("max_running_batch", "max batch"),
+    ("max_admitted_batch", "admitted"),
+    ("fetched_bytes_per_step", "fetch MiB/step"),
+    ("prediction_recall", "recall"),
+    ("peak_device_memory_bytes", "peak MiB"),
+)
+_MIB_METRICS = {"fetched_bytes_per_step", "peak_device_memory_bytes", "resident_gpu_bytes_per_request"}
+
+#: Metrics :func:`compare_runs` tabulates by default.
+COMPARE_METRICS: tuple[str, ...] = (
+    "output_throughput",
+    "median_tpot_ms",
+    "median_ttft_ms",
+    "max_running_batch",
+    "max_admitted_batch",
+    "fetched_bytes_per_step",
+    "prediction_recall",
+    "total_output_tokens",
+)
+
+
+def fmt_number(value: Any) -> str:
+    """Compact cell text: ``–`` for missing, ints as-is, floats to about four significant digits."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _cell(record: Record | None, metric: str) -> str:
+    if record is None:
+        return "–"
+    number = metric_value(record, metric)
+    if metric in _MIB_METRICS and number is not None:
+        return fmt_number(number / 2**20)
+    return fmt_number(record["metrics"].get(metric))
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    if num is None or den is None or den == 0:
+        return "–"
+    return f"{num / den:.2f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _sort_value(value: Any) -> tuple[int, float, str]:
+    """Sort key mixing numbers (numerically, so 4096 after 512) and other values (by text)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, repr(value))
+
+
+def _varying_keys(records: list[Record], exclude: set[str]) -> list[str]:
+    keys = sorted({k for r in records for k in r["point"]} - exclude)
+    return [k for k in keys if len({repr(normalize_value(r["point"].get(k))) for r in records}) > 1]
+
+
+def _env_lines(run: Run) -> list[str]:
+    env = run.env
+    lines = []
+    if env.get("random_weights"):
+        lines += ["> **RANDOM WEIGHTS**: this run used random weights; throughput and memory are real, "
+                  "recall and accuracy say nothing about the model.", ""]
+    lines.append(f"- run id: `{run.run_id}`")
+    fields = (
+        ("commit", "git_commit"),
+        ("device", "device"),
+        ("model", "model"),
+        ("host", "hostname"),
+        ("created", "created_at"),
+        ("python", "python"),
+        ("torch", "torch"),
+        ("transformers", "transformers"),
+    )
+    lines += [f"- {label}: `{env[key]}`" for label, key in fields if env.get(key) not in (None, "")]
+    if not env:
+        lines.append("- env: unknown (no env.json)")
+    return lines
+
+
+def ratio_rows(run: Run, numerator: str, denominator: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the ``numerator / denominator`` mode table.
+
+    Records pair up on every point key except ``mode`` and the sparse-only settings (dense has no
+    top-K), so each oasiskv variant is set against the dense record of the same context and concurrency.
+    """
+    ignore = {"mode", *SPARSE_ONLY_POINT_KEYS}
+
+    def key(r: Record) -> str:
+        return point_id({k: v for k, v in r["point"].items() if k not in ignore})
+
+    dens = {key(r): r for r in run.records if r["point"]["mode"] == denominator}
+    nums = [r for r in run.records if r["point"]["mode"] == numerator and key(r) in dens]
+    shown = ["context_len", "concurrency"] + _varying_keys(nums, {"mode", "context_len", "concurrency"})
+    header = shown + [
+        f"{numerator} tok/s",
+        f"{denominator} tok/s",
+        "throughput ratio",
+        f"{numerator} max batch",
+        f"{denominator} max batch",
+        "batch ratio",
+    ]
+    rows = []
+    for r in sorted(nums, key=lambda r: tuple(_sort_value(r["point"].get(k)) for k in shown)):
+        d = dens[key(r)]
+        rows.append(
+            [fmt_number(r["point"].get(k)) for k in shown]
+            + [_cell(r, "output_throughput"), _cell(d, "output_throughput")]
+            + [_ratio(metric_value(r, "output_throughput"), metric_value(d, "output_throughput"))]
+            + [_cell(r, "max_running_batch"), _cell(d, "max_running_batch")]
+            + [_ratio(metric_value(r, "max_running_batch"), metric_value(d, "max_running_batch"))]
+        )
+    return header, rows
+
+
+def render_report(run: Run, plot_link_prefix: str = "") -> str:
+    """Markdown report of one run: env header, a table per context length, the oasiskv / dense ratios,
+    and links to the plots that exist in the run directory.
+
+    ``plot_link_prefix`` is prepended to plot file names, for a report saved outside the run directory
+    (e.g. ``"../results/smoke/<run-id>/"``).
+    """
+    lines = [f"# oasisbench report: {run.suite}", ""]
+    lines += _env_lines(run)
+    lines.append(f"- points: {len(run.records)}")
+    lines.append("")
+    if not run.records:
+        lines += ["No records yet.", ""]
+        return "\n".join(lines)
+
+    modes = run.modes()
+    for ctx in run.context_lens():
+        recs = [r for r in run.records if int(r["point"]["context_len"]) == ctx]
+        extra = _varying_keys(recs, {"mode", "context_len", "concurrency"})
+        recs.sort(
+            key=lambda r: (
+                modes.index(r["point"]["mode"]),
+                int(r["point"]["concurrency"]),
+                *(_sort_value(r["point"].get(k)) for k in extra),
+            )
+        )
+        columns = [(m, h) for m, h in REPORT_COLUMNS if any(m in r["metrics"] for r in recs)]
+        header = ["mode", "concurrency", *extra, *(h for _, h in columns)]
+        rows = [
+            [r["point"]["mode"], str(r["point"]["concurrency"])]
+            + [fmt_number(r["point"].get(k)) for k in extra]
+            + [_cell(r, m) for m, _ in columns]
+            for r in recs
+        ]
+        lines += [f"## context_len = {ctx:,}", ""] + _table(header, rows) + [""]
+
+    if "oasiskv" in modes and "dense" in modes:
+        header, rows = ratio_rows(run, "oasiskv", "dense")
+        if rows:
+            lines += ["## oasiskv / dense", ""]
+            lines += ["Both modes ran in this run on the same work, so these ratios are the numbers to trust.", ""]
+            lines += _table(header, rows) + [""]
+
+    if run.path is not None:
+        names = [name for name, _, _ in LINE_PLOTS] + [ROOFLINE_PNG]
+        plots = [n for n in names if (run.path / n).exists()]
+        if plots:
+            lines += ["## Plots", ""]
+            for n in plots:  # one paragraph each, or renderers put the images side by side
+                lines += [f"![{n.removesuffix('.png')}]({plot_link_prefix}{n})", ""]
+    return "\n".join(lines)
+
+
+def _run_label(run: Run) -> str:
+    env = run.env
+    extra = ", ".join(f"{k} `{env[k]}`" for k in ("git_commit", "device", "model") if env.get(k))
+    rw = " **RANDOM WEIGHTS**" if env.get("random_weights") else ""
+    return f"`{run.suite}/{run.run_id}`" + (f" ({extra})" if extra else "") + rw
+
+
+def compare_runs(run_a: Run, run_b: Run, metrics: tuple[str, ...] | list[str] = COMPARE_METRICS) -> str:
+    """Markdown comparison of two runs: per metric, a table of points present in both with A, B and B/A,
+    then the points found in only one run. Points match by :func:`point_id`."""
+    a_by, b_by = run_a.by_point_id(), run_b.by_point_id()
+    common = [pid for pid in a_by if pid in b_by]
+    lines = ["# oasisbench compare", "", f"- A: {_run_label(run_a)}", f"- B: {_run_label(run_b)}"]
+    lines.append(f"- matched points: {len(common)}")
+    # Cross-machine or cross-suite ratios are easy to misread as regressions: say so up front.
+    for key, what in (("device", "devices"), ("model", "models"), ("random_weights", "weights")):
+        if run_a.env.get(key) != run_b.env.get(key):
+            lines.append(f"- **warning**: different {what}: {run_a.env.get(key)!r} vs {run_b.env.get(key)!r}")
+    if run_a.suite != run_b.suite:
+        lines.append(f"- **warning**: different suites: {run_a.suite!r} vs {run_b.suite!r}")
+    lines.append("")
+
+    for metric in metrics:
+        rows = []
+        for pid in common:
+            a, b = a_by[pid], b_by[pid]
+            va, vb = metric_value(a, metric), metric_value(b, metric)
+            if va is None and vb is None:
+                continue
+            rows.append([f"`{pid}`", _cell(a, metric), _cell(b, metric), _ratio(vb, va)])
+        if rows:
+            unit = " (MiB)" if metric in _MIB_METRICS else ""
+            lines += [f"## {metric}{unit}", ""] + _table(["point", "A", "B", "B/A"], rows) + [""]
+
+    only_a = [pid for pid in a_by if pid not in b_by]
+    only_b = [pid for pid in b_by if pid not in a_by]
+    for title, pids in (("Only in A", only_a), ("Only in B", only_b)):
+        if pids:
+            lines += [f"## {title}", ""] + [f"- `{pid}`" for pid in pids] + [""]
+    return "\n".join(lines)

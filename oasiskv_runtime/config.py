@@ -1,0 +1,277 @@
+"""One config tree for the runtime: model, cache, sparse, scheduler, engine.
+
+Every field is validated here, in ``__post_init__``; the runtime reads no environment variables and no
+argv. ``EngineConfig.from_overrides`` is the single place where flat keyword overrides (``LLM(...,
+top_k_blocks=64)`` or CLI flags) are routed to the sub-config that owns them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Mode(str, Enum):
+    """Engine modes: settings of one engine, so every comparison runs the same code on the same work."""
+
+    DENSE = "dense"
+    """Full KV in device memory, full attention (the vLLM baseline)."""
+    SPARSE_RESIDENT = "sparse-resident"
+    """Quest: full KV stays in device memory, attention over each head's top-K blocks."""
+    FETCH_ON_DEMAND = "fetch-on-demand"
+    """Retrieval: full KV on the host; predict with the current query, fetch missing blocks before attention."""
+    PROXY_PREFETCH = "proxy-prefetch"
+    """Prefetch for step t+1 predicted with step t's own query (the training-free baseline)."""
+    OASISKV = "oasiskv"
+    """Prefetch for step t+1 predicted with the draft token's query (look-ahead attention)."""
+
+    @property
+    def is_sparse(self) -> bool:
+        return self is not Mode.DENSE
+
+    @property
+    def uses_host_pool(self) -> bool:
+        """Full KV lives in host memory and only a working set is on the device."""
+        return self in (Mode.FETCH_ON_DEMAND, Mode.PROXY_PREFETCH, Mode.OASISKV)
+
+    @property
+    def full_kv_on_device(self) -> bool:
+        return self in (Mode.DENSE, Mode.SPARSE_RESIDENT)
+
+    @property
+    def prefetches(self) -> bool:
+        """Selection for step t+1 happens during step t (off the critical path)."""
+        return self in (Mode.PROXY_PREFETCH, Mode.OASISKV)
+
+    @property
+    def uses_draft(self) -> bool:
+        return self is Mode.OASISKV
+
+    @classmethod
+    def parse(cls, value: str | Mode) -> Mode:
+        if isinstance(value, Mode):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown mode {value!r}; choose one of: {names}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a dense decoder (Llama family, Qwen3)."""
+
+    architecture: str
+    """'llama' or 'qwen3'."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    """HF rope parameters beyond theta, e.g. {'rope_type': 'llama3', 'factor': 8.0, ...}."""
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+    """Human name of the model (preset name or path)."""
+    random_weights: bool = False
+    """True when weights are random (presets at real shapes): every report must say so."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ("llama", "qwen3"):
+            raise ValueError(f"unsupported architecture {self.architecture!r} (supported: llama, qwen3)")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model config {f} must be positive, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture == "qwen3"
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V for one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def num_params(self) -> int:
+        h, i, l = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * h
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return l * per_layer + emb + h
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> ModelConfig:
+        """Build from a Hugging Face config.json dict (transformers 4.x or 5.x conventions)."""
+        model_type = d.get("model_type", "")
+        arch = {"llama": "llama", "qwen3": "qwen3", "mistral": "llama"}.get(model_type)
+        if arch is None:
+            archs = d.get("architectures") or []
+            raise ValueError(
+                f"unsupported architecture model_type={model_type!r} {archs} in config.json "
+                "(supported: llama, qwen3)")
+        rope = dict(d.get("rope_parameters") or {})
+        theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        scaling = d.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache and its memory budgets."""
+
+    block_size: int = 16
+    """Tokens per KV block (also the granularity of sparse selection)."""
+    kv_cache_bytes: int | None = None
+    """Device bytes for KV blocks (and key summaries in sparse modes); the knob behind the HBM capacity wall.
+    None: 2 GiB on CPU, 90% of free device memory after weights on CUDA."""
+    host_kv_bytes: int | None = None
+    """Host bytes for the full-KV pool of host-pool modes. None: 8 GiB on CPU, 64 GiB with CUDA."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        for f in ("kv_cache_bytes", "host_kv_bytes"):
+            v = getattr(self, f)
+            if v is not None and v <= 0:
+                raise ValueError(f"{f} must be positive, got {v}")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """OasisKV sparse decode settings (SPEC item 7 defaults)."""
+
+    top_k_blocks: int = 128
+    """Blocks per KV head in the working set (plus the local active block)."""
+    fetch_ratio: float = 0.05
+    """Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per head."""
+    draft: str = "ngram"
+    """Draft source for oasiskv mode: ngram, layerskip[:N], model:<path>, eagle3:<path>, oracle."""
+    sink_blocks: int = 0
+    """Leading blocks always attended (attention sinks)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers that attend over the full context in sparse modes."""
+    measure_recall: bool = False
+    """Compute per-layer recall of the predicted top-K against the true next query's top-K."""
+    fetch_on_demand_cap: bool = False
+    """Apply the fetch cap in fetch-on-demand mode too (default: fetch every missing block, as retrieval does)."""
+    kernels: str = "auto"
+    """'auto' (GPU kernels on CUDA, references on CPU), 'ref' (plain PyTorch everywhere), 'gpu'."""
+
+    def __post_init__(self) -> None:
+        if self.top_k_blocks <= 0:
+            raise ValueError(f"top_k_blocks must be positive, got {self.top_k_blocks}")
+        if not 0.0 < self.fetch_ratio <= 1.0:
+            raise ValueError(f"fetch_ratio must be in (0, 1], got {self.fetch_ratio}")
+        if self.sink_blocks < 0 or self.sink_blocks >= self.top_k_blocks:
+            raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
+        if self.kernels not in ("auto", "ref", "gpu"):
+            raise ValueError(f"kernels must be auto, ref or gpu, got {self.kernels!r}")
+        object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))
+
+    @property
+    def fetch_cap(self) -> int:
+        return max(1, math.ceil(self.fetch_ratio * self.top_k_blocks - 1e-9))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step; prompts longer than this are prefilled in chunks."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """Preset name, HF directory or .gguf file."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    mode: Mode = Mode.DENSE
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+    _SUBS = ("cache", "sparse", "scheduler")
+
+    @classmethod
+    def from_overrides(cls, model: str, device: str = "cpu", dtype: str = "float32", mode: str | Mode = "dense",
+                       seed: int = 0, **overrides: Any) -> EngineConfig:
+        """Route flat keyword overrides to the sub-config owning each name; unknown names are errors."""
+        sub_types = {"cache": CacheConfig, "sparse": SparseConfig, "scheduler": SchedulerConfig}
+        owner = {f.name: sub for sub, t in sub_types.items() for f in dataclasses.fields(t)}
+        if "kv_cache_gb" in overrides:
+            gb = overrides.pop("kv_cache_gb")
+            if gb is not None:
+                overrides["kv_cache_bytes"] = int(float(gb) * (1 << 30))
+        per_sub: dict[str, dict[str, Any]] = {s: {} for s in sub_types}
+        for key, value in overrides.items():
+            if key not in owner:
+                valid = ", ".join(sorted(list(owner) + ["kv_cache_gb"]))
+                raise TypeError(f"unknown engine option {key!r}; valid options: {valid}")
+            per_sub[owner[key]][key] = value
+        return cls(model=model, device=device, dtype=dtype, mode=Mode.parse(mode), seed=seed,
+                   **{s: t(**per_sub[s]) for s, t in sub_types.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mode"] = self.mode.value
+        return d

@@ -1,0 +1,119 @@
+"""Per-request KV block bookkeeping across the device pool and the host pool. No tensors.
+
+What a request holds depends on the mode (one manager, mode flags, no forks):
+
+- full KV on device (dense, sparse-resident): ``device_blocks[j]`` backs logical block j.
+- host-pool modes (fetch-on-demand, proxy-prefetch, oasiskv): ``host_blocks[j]`` backs logical block j in
+  host memory; the device holds a fixed working set ``ws_blocks``: ``ws_blocks[0]`` is the local (active)
+  block, ``ws_blocks[1:]`` are the selection slots, sized ``min(top_k_blocks, full blocks the request can
+  ever have)`` so the working set does not grow with context length.
+- every sparse mode: ``summary_blocks``: device blocks holding the per-block key min/max rows, one row per
+  logical block, ``block_size`` rows per summary block (1/16 of the KV at block size 16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from oasiskv_runtime.config import Mode
+from oasiskv_runtime.engine.block_pool import BlockPool
+from oasiskv_runtime.engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class RequestBlocks:
+    device_blocks: list[int] = field(default_factory=list)
+    host_blocks: list[int] = field(default_factory=list)
+    ws_blocks: list[int] = field(default_factory=list)
+    summary_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_device_blocks(self) -> int:
+        return len(self.device_blocks) + len(self.ws_blocks) + len(self.summary_blocks)
+
+
+class KVCacheManager:
+    def __init__(self, mode: Mode, block_size: int, num_device_blocks: int, num_host_blocks: int,
+                 top_k_blocks: int, max_model_len: int) -> None:
+        self.mode = mode
+        self.block_size = block_size
+        self.top_k_blocks = top_k_blocks
+        self.max_model_len = max_model_len
+        self.device_pool = BlockPool(num_device_blocks, "device")
+        self.host_pool = BlockPool(num_host_blocks if mode.uses_host_pool else 0, "host")
+        self.requests: dict[int, RequestBlocks] = {}
+
+    def num_ws_slots(self, max_len: int) -> int:
+        """Selection slots of a request whose context never exceeds ``max_len`` tokens."""
+        return min(self.top_k_blocks, (max_len - 1) // self.block_size)
+
+    def max_len(self, seq: Sequence) -> int:
+        return min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.max_model_len)
+
+    def _needs(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """(device blocks, host blocks) a request holds once ``num_tokens`` tokens have KV."""
+        nb = cdiv(num_tokens, self.block_size)
+        device = cdiv(nb, self.block_size) if self.mode.is_sparse else 0
+        host = 0
+        if self.mode.uses_host_pool:
+            host = nb
+            device += self.num_ws_slots(self.max_len(seq)) + 1
+        else:
+            device += nb
+        return device, host
+
+    def check_fits_alone(self, seq: Sequence) -> None:
+        """Raise when the request could not run even with the whole budget to itself."""
+        device, host = self._needs(seq, self.max_len(seq))
+        if device > self.device_pool.num_blocks:
+            raise ValueError(
+                f"KV cache budget too small for one request: {len(seq.prompt_token_ids)} prompt tokens + "
+                f"{seq.params.max_tokens} output tokens need {device} device blocks in mode {self.mode.value}, "
+                f"the budget holds {self.device_pool.num_blocks}; raise kv_cache_bytes (--kv-cache-gb)")
+        if host > self.host_pool.num_blocks:
+            raise ValueError(
+                f"host KV pool too small for one request: needs {host} host blocks, the pool holds "
+                f"{self.host_pool.num_blocks}; raise host_kv_bytes")
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``seq``. All or nothing; False when out of blocks."""
+        rb = self.requests.setdefault(seq.seq_id, RequestBlocks())
+        device, host = self._needs(seq, seq.num_computed_tokens + num_new_tokens)
+        need_device = max(0, device - rb.num_device_blocks)
+        need_host = max(0, host - len(rb.host_blocks))
+        if need_device > self.device_pool.num_free or need_host > self.host_pool.num_free:
+            if not rb.num_device_blocks and not rb.host_blocks:
+                del self.requests[seq.seq_id]
+            return False
+        if self.mode.uses_host_pool:
+            rb.host_blocks += self.host_pool.allocate(need_host)
+            if not rb.ws_blocks:
+                n_ws = self.num_ws_slots(self.max_len(seq)) + 1
+                rb.ws_blocks = self.device_pool.allocate(n_ws)
+                need_device -= n_ws
+        if self.mode.is_sparse:
+            n_sum = cdiv(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size), self.block_size)
+            n_sum -= len(rb.summary_blocks)
+            rb.summary_blocks += self.device_pool.allocate(n_sum)
+            need_device -= n_sum
+        if not self.mode.uses_host_pool:
+            rb.device_blocks += self.device_pool.allocate(need_device)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        rb = self.requests.pop(seq.seq_id, None)
+        if rb is None:
+            return
+        self.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
+        self.host_pool.free(rb.host_blocks)
+
+    def blocks(self, seq: Sequence) -> RequestBlocks:
+        return self.requests[seq.seq_id]
+
+    def device_blocks_held(self, seq: Sequence) -> int:
+        rb = self.requests.get(seq.seq_id)
+        return rb.num_device_blocks if rb else 0

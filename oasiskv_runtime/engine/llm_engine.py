@@ -1,0 +1,178 @@
+"""The engine loop: schedule, (draft), execute, update requests, finish."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oasiskv_runtime.attention.dense import DenseAttention, PagedKVCache
+from oasiskv_runtime.config import EngineConfig
+from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
+from oasiskv_runtime.engine.model_runner import ModelRunner
+from oasiskv_runtime.engine.scheduler import Scheduler
+from oasiskv_runtime.engine.sequence import Sequence
+from oasiskv_runtime.models.loader import DTYPES, load_model
+from oasiskv_runtime.sampling_params import SamplingParams
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    running_batch: list[int] = field(default_factory=list)
+    """Requests running in each step (the admitted batch)."""
+    decode_batch: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    peak_device_blocks: int = 0
+
+    @property
+    def max_running_batch(self) -> int:
+        return max(self.running_batch, default=0)
+
+    @property
+    def mean_running_batch(self) -> float:
+        return sum(self.running_batch) / len(self.running_batch) if self.running_batch else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.model, self.tokenizer, self.model_config = load_model(config.model, config.device, config.dtype,
+                                                                   config.seed)
+        mc = self.model_config
+        self.dtype = DTYPES[config.dtype]
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        bs = config.cache.block_size
+        self.block_bytes = bs * mc.kv_bytes_per_token(elem)
+        kv_bytes = config.cache.kv_cache_bytes or self._default_kv_bytes()
+        num_device_blocks = kv_bytes // self.block_bytes
+        host_bytes = config.cache.host_kv_bytes or (64 * GiB if config.device.startswith("cuda") else 8 * GiB)
+        num_host_blocks = host_bytes // self.block_bytes if config.mode.uses_host_pool else 0
+        self.max_model_len = mc.max_position_embeddings
+        self.kv = KVCacheManager(config.mode, bs, num_device_blocks, num_host_blocks,
+                                 config.sparse.top_k_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.backend = self._make_backend(num_device_blocks, num_host_blocks)
+        self.runner = ModelRunner(self.model, config, self.kv, self.backend)
+        self.drafter = None
+        self.stats = EngineStats()
+        self.eos_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(self.tokenizer.eos_token_id))
+
+    def _default_kv_bytes(self) -> int:
+        if self.config.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
+            return int(free * 0.9)
+        return 2 * GiB
+
+    def _make_backend(self, num_device_blocks: int, num_host_blocks: int) -> Any:
+        mc, bs = self.model_config, self.config.cache.block_size
+        scale = 1.0 / math.sqrt(mc.head_dim)
+        device = torch.device(self.config.device)
+        cache = PagedKVCache(mc.num_layers, num_device_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype, device)
+        return DenseAttention(cache, scale)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival: float | None = None) -> Sequence:
+        if not prompt_token_ids:
+            raise ValueError("empty prompt")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, longer than the model's context of "
+                             f"{self.max_model_len} tokens (one more is needed for the first output token)")
+        seq = Sequence(prompt_token_ids, params, request_id, arrival)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if sched.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no request can be scheduled: KV budget exhausted with nothing running")
+            return []
+        now = time.perf_counter()
+        for s in sched.scheduled:
+            if s.seq.times.first_scheduled is None:
+                s.seq.times.first_scheduled = now
+        drafts = self.drafter.propose([s.seq for s in sched.scheduled if s.completes]) if self.drafter else {}
+        sampled = self.runner.execute(sched, drafts)
+        now = time.perf_counter()
+        self.stats.num_steps += 1
+        self.stats.running_batch.append(len(self.scheduler.running))
+        self.stats.decode_batch.append(sum(1 for s in sched.scheduled if s.num_tokens == 1))
+        self.stats.peak_device_blocks = max(self.stats.peak_device_blocks, self.kv.device_pool.num_used)
+        finished = []
+        for s in sched.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            if seq.seq_id not in sampled:
+                continue
+            token = sampled[seq.seq_id]
+            if seq.forced_output_ids is not None and len(seq.output_token_ids) < len(seq.forced_output_ids):
+                token = seq.forced_output_ids[len(seq.output_token_ids)]
+            if seq.seq_id in drafts:
+                seq.num_draft_checked += 1
+                seq.num_draft_correct += int(drafts[seq.seq_id] == token)
+            seq.output_token_ids.append(token)
+            if seq.times.first_token is None:
+                seq.times.first_token = now
+            seq.times.token_times.append(now)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                if self.drafter:
+                    self.drafter.free(seq)
+                seq.times.finished = now
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            for s in p.stop:
+                if s in text:
+                    seq.text = text[: text.index(s)]
+                    return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def request_metrics(self, seq: Sequence) -> dict:
+        t = seq.times
+        times = t.token_times
+        itl = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+        m = {
+            "ttft_ms": ((t.first_token - t.arrival) * 1e3) if t.first_token else None,
+            "tpot_ms": ((times[-1] - times[0]) * 1e3 / (len(times) - 1)) if len(times) > 1 else None,
+            "itl_ms": itl,
+            "e2e_ms": ((t.finished - t.arrival) * 1e3) if t.finished else None,
+            "num_preemptions": seq.num_preemptions,
+            "num_output_tokens": len(seq.output_token_ids),
+        }
+        if seq.num_draft_checked:
+            m["draft_accuracy"] = seq.num_draft_correct / seq.num_draft_checked
+        extra = getattr(self.backend, "request_metrics", None)
+        if extra is not None:
+            m.update(extra(seq.seq_id))
+        return m

@@ -1,0 +1,89 @@
+"""Turns a scheduler decision into tensors (once per step), runs the model, samples.
+
+This is the only place where lists become tensors: it builds one ``StepMetadata`` per step and hands it to
+the attention backend before the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.config import EngineConfig
+from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
+from oasiskv_runtime.engine.sampler import sample
+from oasiskv_runtime.engine.scheduler import SchedulerOutput
+from oasiskv_runtime.engine.sequence import Sequence
+from oasiskv_runtime.models.decoder import DecoderForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, config: EngineConfig, kv: KVCacheManager, backend) -> None:
+        self.model = model
+        self.config = config
+        self.kv = kv
+        self.backend = backend
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.step_index = 0
+        self.capture_layers: tuple[int, ...] = ()
+        self.last_captured: dict[int, torch.Tensor] = {}
+        """Captured residual streams of the last forward, per layer: [T, hidden] (for EAGLE-style drafts)."""
+        self.last_meta: StepMetadata | None = None
+
+    def primary_table(self, seq: Sequence) -> list[int]:
+        """Where a request's full KV lives: device blocks, or host blocks in host-pool modes."""
+        rb = self.kv.blocks(seq)
+        return rb.host_blocks if self.config.mode.uses_host_pool else rb.device_blocks
+
+    def build_metadata(self, sched: SchedulerOutput, drafts: dict[int, int]) -> StepMetadata:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqSlice] = []
+        logits_rows: list[int] = []
+        for s in sched.scheduled:
+            seq = s.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_tokens
+            table = self.primary_table(seq)
+            row0 = len(ids)
+            ids += seq.all_token_ids[start:end]
+            pos += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            draft_row = None
+            if s.completes and seq.seq_id in drafts:
+                draft_row = len(ids)
+                ids.append(drafts[seq.seq_id])
+                pos.append(end)
+                slots.append(-1)
+            seqs.append(SeqSlice(seq.seq_id, row0, s.num_tokens, end, table, draft_row, s.completes))
+            if s.completes:
+                logits_rows.append(row0 + s.num_tokens - 1)
+        dev = self.device
+        return StepMetadata(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            seqs=seqs,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            step=self.step_index,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, drafts: dict[int, int] | None = None) -> dict[int, int]:
+        """Run one step; returns the sampled token of each request that completed its pending tokens."""
+        meta = self.build_metadata(sched, drafts or {})
+        self.backend.begin_step(meta)
+        hidden, captured = self.model(meta.input_ids, meta.positions, self.backend, self.capture_layers)
+        self.backend.end_step()
+        self.last_captured, self.last_meta = captured, meta
+        self.step_index += 1
+        completing = [s.seq for s in sched.scheduled if s.completes]
+        if not completing:
+            return {}
+        logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))
+        tokens = sample(logits, [q.params for q in completing], [len(q.output_token_ids) for q in completing],
+                        self.generator)
+        return {q.seq_id: t for q, t in zip(completing, tokens)}

@@ -1,0 +1,123 @@
+"""Block pool, KV cache manager and scheduler: plain Python, no tensors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from oasiskv_runtime.config import Mode, SchedulerConfig
+from oasiskv_runtime.engine.block_pool import BlockPool, OutOfBlocks
+from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
+from oasiskv_runtime.engine.scheduler import Scheduler
+from oasiskv_runtime.engine.sequence import Sequence
+from oasiskv_runtime.sampling_params import SamplingParams
+
+
+def test_block_pool_allocate_free_accounting():
+    pool = BlockPool(5)
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and pool.num_free == 2 and pool.num_used == 3
+    with pytest.raises(OutOfBlocks):
+        pool.allocate(3)
+    assert pool.num_free == 2  # a failed allocation takes nothing
+    pool.free(a[:2])
+    assert pool.num_free == 4
+    with pytest.raises(ValueError):
+        pool.free([a[0]])  # double free
+    b = pool.allocate(4)
+    assert set(b).isdisjoint({a[2]})
+    pool.free(b + [a[2]])
+    assert pool.num_free == 5 and pool.num_used == 0
+
+
+def seq(n_prompt: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(list(range(n_prompt)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_manager_dense_blocks_grow_with_context():
+    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=10, num_host_blocks=0, top_k_blocks=8, max_model_len=100)
+    s = seq(9)
+    assert kv.allocate(s, 9)
+    assert len(kv.blocks(s).device_blocks) == 3
+    s.num_computed_tokens = 9
+    assert kv.allocate(s, 3)  # 12 tokens: still 3 blocks
+    assert len(kv.blocks(s).device_blocks) == 3
+    s.num_computed_tokens = 12
+    assert kv.allocate(s, 1)
+    assert len(kv.blocks(s).device_blocks) == 4
+    kv.free(s)
+    assert kv.device_pool.num_free == 10
+
+
+def test_manager_host_mode_working_set_is_bounded():
+    """A host-pool request holds top_k+1 working-set blocks however long it gets; the host holds the rest."""
+    kv = KVCacheManager(Mode.OASISKV, 4, num_device_blocks=200, num_host_blocks=1000, top_k_blocks=3,
+                        max_model_len=10_000)
+    short, long = seq(20, 1000), seq(2000, 1000)
+    assert kv.allocate(short, 20) and kv.allocate(long, 2000)
+    rs, rl = kv.blocks(short), kv.blocks(long)
+    assert len(rs.ws_blocks) == len(rl.ws_blocks) == 4
+    assert len(rl.host_blocks) == 500
+    assert len(rl.summary_blocks) == 125  # one row per logical block, 4 rows per summary block
+    assert not rl.device_blocks
+    kv.free(short)
+    kv.free(long)
+    assert kv.device_pool.num_free == 200 and kv.host_pool.num_free == 1000
+
+
+def test_manager_all_or_nothing_and_fits_alone():
+    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=3, num_host_blocks=0, top_k_blocks=8, max_model_len=100)
+    a, b = seq(8), seq(8)
+    assert kv.allocate(a, 8)
+    assert not kv.allocate(b, 8)  # needs 2, 1 free
+    assert kv.device_pool.num_free == 1
+    with pytest.raises(ValueError, match="too small for one request"):
+        kv.check_fits_alone(seq(20))
+
+
+def test_scheduler_continuous_batching_and_chunked_prefill():
+    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=64, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), kv)
+    a, b = seq(25), seq(3)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(a, 10)]  # budget-limited chunk
+    a.num_computed_tokens += 10
+    out = sched.schedule()
+    assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(a, 10)]
+    a.num_computed_tokens += 10
+    out = sched.schedule()
+    assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(a, 5), (b, 3)]
+    assert all(s.completes for s in out.scheduled)
+
+
+def test_scheduler_preempts_newest_and_frees_its_blocks():
+    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=4, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    a, b = seq(8, 8), seq(8, 8)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and kv.device_pool.num_free == 0
+    for s in out.scheduled:
+        s.seq.num_computed_tokens += s.num_tokens
+        s.seq.output_token_ids.append(1)
+    out = sched.schedule()  # both need a third block: b (newest) is preempted so a can grow
+    assert out.preempted_ids == [b.seq_id]
+    assert [s.seq for s in out.scheduled] == [a]
+    assert b.num_computed_tokens == 0 and b.num_preemptions == 1 and sched.waiting[0] is b
+    assert kv.device_blocks_held(b) == 0
+
+
+def test_scheduler_modules_do_not_import_torch():
+    code = ("import sys; import oasiskv_runtime.engine.scheduler, oasiskv_runtime.engine.block_pool, "
+            "oasiskv_runtime.engine.kv_cache_manager; sys.exit('torch' in sys.modules)")
+    # Import the modules directly from their files' package path without the package __init__ (which
+    # exposes the torch-based LLM): stub the parent package.
+    stub = ("import sys, types, pathlib; p = types.ModuleType('oasiskv_runtime'); "
+            "p.__path__ = [str(pathlib.Path('oasiskv_runtime').resolve())]; sys.modules['oasiskv_runtime'] = p; ")
+    r = subprocess.run([sys.executable, "-c", stub + code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr or "torch was imported by scheduler/block bookkeeping"

@@ -1,0 +1,35 @@
+"""Parity on the real model: SmolLM2-135M-Instruct from the packaged GGUF against transformers' own GGUF load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv_runtime import LLM, SamplingParams
+from oasiskv_runtime.models.assets import SMOLLM2
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Three reasons to learn a second language are"]
+
+
+@pytest.mark.skipif(SMOLLM2.path() is None, reason=f"needs {SMOLLM2.install}")
+def test_smollm2_gguf_greedy_matches_transformers():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = SMOLLM2.path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # generate exactly 32 tokens, EOS included, like ignore_eos
+    expected = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        out = hf.generate(ids, max_new_tokens=32, do_sample=False,
+                          attention_mask=torch.ones_like(ids), pad_token_id=tok.eos_token_id, eos_token_id=None)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    del hf
+    llm = LLM("smollm2-135m")
+    prompt_ids = [tok(p).input_ids for p in PROMPTS]
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert "Paris" in tok.decode(expected[0])
