@@ -13,11 +13,22 @@ class PagedKVCache:
     """Per-layer K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False,
+                 zero: bool = True) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory) for _ in range(num_layers)]
+        self.k = [self._alloc(shape, dtype, device, pin_memory, zero) for _ in range(num_layers)]
+        self.v = [self._alloc(shape, dtype, device, pin_memory, zero) for _ in range(num_layers)]
+
+    @staticmethod
+    def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin: bool,
+               zero: bool) -> torch.Tensor:
+        # Device caches start zeroed: masked-out slots are multiplied by zero probabilities, and stale NaN bit
+        # patterns would poison that product. Host pools are only ever read at written blocks, so they skip
+        # the memset (a 64 GiB pool would otherwise take seconds and touch every page).
+        if not zero:
+            return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [n] flat rows; k, v [n, Hkv, D]."""

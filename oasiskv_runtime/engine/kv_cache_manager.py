@@ -5,8 +5,8 @@ What a request holds depends on the mode (one manager, mode flags, no forks):
 - full KV on device (dense, sparse-resident): ``device_blocks[j]`` backs logical block j.
 - host-pool modes (fetch-on-demand, proxy-prefetch, oasiskv): ``host_blocks[j]`` backs logical block j in
   host memory; the device holds a fixed working set ``ws_blocks``: ``ws_blocks[0]`` is the local (active)
-  block, ``ws_blocks[1:]`` are the selection slots, sized ``min(top_k_blocks, full blocks the request can
-  ever have)`` so the working set does not grow with context length.
+  block, ``ws_blocks[1:]`` are the ``top_k_blocks`` selection slots: the working set does not grow with
+  context length.
 - every sparse mode: ``summary_blocks``: device blocks holding the per-block key min/max rows, one row per
   logical block, ``block_size`` rows per summary block (1/16 of the KV at block size 16).
 """
@@ -48,8 +48,9 @@ class KVCacheManager:
         self.requests: dict[int, RequestBlocks] = {}
 
     def num_ws_slots(self, max_len: int) -> int:
-        """Selection slots of a request whose context never exceeds ``max_len`` tokens."""
-        return min(self.top_k_blocks, (max_len - 1) // self.block_size)
+        """Selection slots per request: always ``top_k_blocks`` (uniform shapes let one batched selection and
+        one attention launch cover every request; the paper's working set is likewise fixed at K + 1)."""
+        return self.top_k_blocks
 
     def max_len(self, seq: Sequence) -> int:
         return min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.max_model_len)

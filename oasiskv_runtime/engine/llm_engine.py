@@ -29,6 +29,10 @@ class EngineStats:
     decode_batch: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     peak_device_blocks: int = 0
+    request_device_blocks: list[int] = field(default_factory=list)
+    """Most device blocks each finished request held (working set + summaries in sparse modes)."""
+    num_draft_checked: int = 0
+    num_draft_correct: int = 0
 
     @property
     def max_running_batch(self) -> int:
@@ -61,7 +65,13 @@ class LLMEngine:
         self.backend = self._make_backend(num_device_blocks, num_host_blocks)
         self.runner = ModelRunner(self.model, config, self.kv, self.backend)
         self.drafter = None
+        if config.mode.uses_draft:
+            from oasiskv_runtime.drafts.sources import make_draft_source
+
+            self.drafter = make_draft_source(config.sparse.draft, self)
+            self.runner.capture_layers = self.drafter.capture_layers
         self.stats = EngineStats()
+        self._held_blocks: dict[int, int] = {}
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
@@ -77,7 +87,20 @@ class LLMEngine:
         scale = 1.0 / math.sqrt(mc.head_dim)
         device = torch.device(self.config.device)
         cache = PagedKVCache(mc.num_layers, num_device_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype, device)
-        return DenseAttention(cache, scale)
+        mode = self.config.mode
+        if not mode.is_sparse:
+            return DenseAttention(cache, scale)
+        from oasiskv_runtime.sparse.backend import SparseAttention
+
+        host = None
+        if mode.uses_host_pool:
+            host = PagedKVCache(mc.num_layers, num_host_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype, "cpu",
+                                pin_memory=device.type == "cuda", zero=False)
+        for layer in self.config.sparse.dense_layers:
+            if not 0 <= layer < mc.num_layers:
+                raise ValueError(f"dense_layers: layer {layer} out of range (model has {mc.num_layers} layers)")
+        return SparseAttention(mode, self.config.sparse, mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, cache,
+                               host, self.kv, scale, self.config.scheduler.max_num_seqs, device)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -102,6 +125,8 @@ class LLMEngine:
         """One engine step; returns the requests that finished in it."""
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        for seq_id in sched.preempted_ids:
+            self._release(seq_id)
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled: KV budget exhausted with nothing running")
@@ -112,14 +137,18 @@ class LLMEngine:
                 s.seq.times.first_scheduled = now
         drafts = self.drafter.propose([s.seq for s in sched.scheduled if s.completes]) if self.drafter else {}
         sampled = self.runner.execute(sched, drafts)
+        if self.drafter is not None:
+            self.drafter.observe(self.runner.last_meta, self.runner.last_captured)
         now = time.perf_counter()
         self.stats.num_steps += 1
         self.stats.running_batch.append(len(self.scheduler.running))
         self.stats.decode_batch.append(sum(1 for s in sched.scheduled if s.num_tokens == 1))
         self.stats.peak_device_blocks = max(self.stats.peak_device_blocks, self.kv.device_pool.num_used)
         finished = []
+        held = self._held_blocks
         for s in sched.scheduled:
             seq = s.seq
+            held[seq.seq_id] = max(held.get(seq.seq_id, 0), self.kv.device_blocks_held(seq))
             seq.num_computed_tokens += s.num_tokens
             if seq.seq_id not in sampled:
                 continue
@@ -129,6 +158,8 @@ class LLMEngine:
             if seq.seq_id in drafts:
                 seq.num_draft_checked += 1
                 seq.num_draft_correct += int(drafts[seq.seq_id] == token)
+                self.stats.num_draft_checked += 1
+                self.stats.num_draft_correct += int(drafts[seq.seq_id] == token)
             seq.output_token_ids.append(token)
             if seq.times.first_token is None:
                 seq.times.first_token = now
@@ -136,11 +167,19 @@ class LLMEngine:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                if self.drafter:
-                    self.drafter.free(seq)
+                self._release(seq.seq_id)
                 seq.times.finished = now
+                self.stats.request_device_blocks.append(held.pop(seq.seq_id, 0))
                 finished.append(seq)
         return finished
+
+    def _release(self, seq_id: int) -> None:
+        """Drop per-request state outside the KV manager (sparse maps, draft caches)."""
+        free = getattr(self.backend, "free_request", None)
+        if free is not None:
+            free(seq_id)
+        if self.drafter is not None:
+            self.drafter.free(seq_id)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -157,6 +196,32 @@ class LLMEngine:
         if seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def run_stats(self) -> dict[str, Any]:
+        """Run-level counters for reports (stable names; see oasisbench.results.schema)."""
+        st = self.stats
+        per_req = st.request_device_blocks
+        out: dict[str, Any] = {
+            "num_steps": st.num_steps,
+            "max_running_batch": st.max_running_batch,
+            "mean_running_batch": st.mean_running_batch,
+            "num_preemptions": st.num_preemptions,
+            "peak_device_memory_bytes": st.peak_device_blocks * self.block_bytes,
+            "resident_gpu_bytes_per_request": (sum(per_req) / len(per_req) * self.block_bytes) if per_req else None,
+            "draft_accuracy": (st.num_draft_correct / st.num_draft_checked) if st.num_draft_checked else None,
+            "fetched_blocks_per_step": 0.0,
+            "fetched_bytes_per_step": 0.0,
+            "deferred_blocks_per_step": 0.0,
+            "prediction_recall": None,
+            "recall_per_layer": None,
+            "random_weights": self.model_config.random_weights,
+        }
+        if self.config.device.startswith("cuda"):
+            out["peak_torch_allocated_bytes"] = torch.cuda.max_memory_allocated(torch.device(self.config.device))
+        backend_stats = getattr(self.backend, "run_stats", None)
+        if backend_stats is not None:
+            out.update(backend_stats())
+        return out
 
     def request_metrics(self, seq: Sequence) -> dict:
         t = seq.times

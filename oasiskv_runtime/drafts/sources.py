@@ -1,0 +1,259 @@
+"""Draft sources behind one interface, selected by name (``SparseConfig.draft``).
+
+A draft source guesses the token AFTER the one a request computes this step, before the step runs. The
+guess rides along as the draft row of look-ahead attention; its query predicts the next step's blocks.
+Drafts are never accepted here (the target's own token is always kept), so a draft only steers selection.
+
+- ``ngram[:N]``: prompt lookup over the request's own tokens (longest suffix match up to N, default 3).
+- ``layerskip[:N]``: the target's first N layers (default half) + its final norm and LM head; training-free
+  self-drafting with its own dense KV for those layers.
+- ``model:<path>``: a small model sharing the tokenizer, with its own dense KV.
+- ``eagle3:<path>``: an EAGLE-3 head (public HF layout) fed the target's low/mid/high hidden states.
+- ``oracle``: the true next token, from teacher forcing (measurement only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+from oasiskv_runtime.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from oasiskv_runtime.engine.llm_engine import LLMEngine
+
+
+class DraftSource(Protocol):
+    name: str
+    capture_layers: tuple[int, ...]
+
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Guess, for each request, the token after its last token. Requests without a guess are omitted."""
+
+    def observe(self, meta: Any, captured: dict[int, torch.Tensor]) -> None:
+        """See the step that just ran (hidden states of the captured layers)."""
+
+    def free(self, seq_id: int) -> None:
+        ...
+
+
+class _NoObserve:
+    capture_layers: tuple[int, ...] = ()
+
+    def observe(self, meta: Any, captured: dict[int, torch.Tensor]) -> None:
+        pass
+
+    def free(self, seq_id: int) -> None:
+        pass
+
+
+class NgramDraft(_NoObserve):
+    def __init__(self, max_n: int = 3) -> None:
+        self.name = f"ngram:{max_n}"
+        self.max_n = max_n
+
+    def propose_one(self, tokens: list[int]) -> int | None:
+        """The token that followed the most recent earlier occurrence of the longest matching suffix."""
+        for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == suffix:
+                    return tokens[start + n]
+        return None
+
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        out = {}
+        for s in seqs:
+            t = self.propose_one(s.all_token_ids)
+            if t is not None:
+                out[s.seq_id] = t
+        return out
+
+
+class OracleDraft(_NoObserve):
+    name = "oracle"
+
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        out = {}
+        for s in seqs:
+            if s.forced_output_ids is None:
+                raise ValueError("the oracle draft needs the true continuation: generate with forced_output_ids "
+                                 "(teacher forcing), as `oasisbench recall` does")
+            i = len(s.output_token_ids) + 1  # this step samples output i-1; the draft guesses output i
+            if s.num_pending_tokens == 1 and i < len(s.forced_output_ids):
+                out[s.seq_id] = s.forced_output_ids[i]
+            elif s.num_pending_tokens > 1 and len(s.output_token_ids) < len(s.forced_output_ids):
+                out[s.seq_id] = s.forced_output_ids[len(s.output_token_ids)]
+        return out
+
+
+class _ContiguousKV:
+    """A dense per-request KV cache for a draft model: per layer, [n, Hkv, D] tensors."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.k: dict[int, list[torch.Tensor]] = {}
+        self.v: dict[int, list[torch.Tensor]] = {}
+        self.current: int | None = None
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ks, vs = self.k.setdefault(self.current, []), self.v.setdefault(self.current, [])
+        if len(ks) <= layer:
+            ks.append(k)
+            vs.append(v)
+        else:
+            ks[layer] = torch.cat([ks[layer], k])
+            vs[layer] = torch.cat([vs[layer], v])
+        n = ks[layer].shape[0]
+        allowed = causal_allowed(q.shape[0], n, q.device) if q.shape[0] > 1 else None
+        return attend_ref(q, ks[layer], vs[layer], self.scale, allowed)
+
+    def num_cached(self, seq_id: int) -> int:
+        ks = self.k.get(seq_id)
+        return ks[0].shape[0] if ks else 0
+
+    def free(self, seq_id: int) -> None:
+        self.k.pop(seq_id, None)
+        self.v.pop(seq_id, None)
+
+
+class _TruncatedLM(torch.nn.Module):
+    """The target's embedding, first ``n`` layers, final norm and LM head (early exit)."""
+
+    def __init__(self, target: torch.nn.Module, n: int) -> None:
+        super().__init__()
+        self.target, self.n = target, n
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, backend: Any) -> torch.Tensor:
+        t = self.target
+        x = t.embed_tokens(ids)
+        cos, sin = t.rotary(pos, x.dtype)
+        for layer in t.layers[: self.n]:
+            x = layer(x, cos, sin, backend)
+        return t.compute_logits(t.norm(x[-1:]))
+
+
+class _FullLM(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, backend: Any) -> torch.Tensor:
+        hidden, _ = self.model(ids, pos, backend)
+        return self.model.compute_logits(hidden[-1:])
+
+
+class ModelDraft(_NoObserve):
+    """Greedy next token from a separate (or truncated) model that keeps its own dense KV."""
+
+    def __init__(self, name: str, lm: torch.nn.Module, head_dim: int, device: torch.device) -> None:
+        self.name = name
+        self.lm = lm
+        self.cache = _ContiguousKV(1.0 / math.sqrt(head_dim))
+        self.device = device
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        out = {}
+        for s in seqs:
+            tokens = s.all_token_ids
+            start = self.cache.num_cached(s.seq_id)
+            if start >= len(tokens):  # recomputed after preemption: rebuild
+                self.cache.free(s.seq_id)
+                start = 0
+            self.cache.current = s.seq_id
+            ids = torch.tensor(tokens[start:], device=self.device)
+            pos = torch.arange(start, len(tokens), device=self.device)
+            out[s.seq_id] = int(self.lm(ids, pos, self.cache).argmax(-1).item())
+        return out
+
+    def free(self, seq_id: int) -> None:
+        self.cache.free(seq_id)
+
+
+class Eagle3Source:
+    """EAGLE-3 head: at position p it takes the target's hidden states of p and the token at p+1."""
+
+    def __init__(self, path: str, engine: LLMEngine) -> None:
+        from oasiskv_runtime.drafts.eagle3 import Eagle3Drafter, Eagle3Head
+
+        n = engine.model_config.num_layers
+        head = Eagle3Head.from_pretrained(path, target_embed=engine.model.embed_tokens, device=engine.config.device,
+                                          dtype=engine.dtype, num_target_layers=n)
+        idx = head.config.aux_hidden_state_indices(n)
+        if min(idx) < 1 or max(idx) >= n:
+            raise ValueError(f"EAGLE-3 head wants hidden states {idx}; supported are layer outputs 1..{n - 1}")
+        # HF hidden_states[i] is the input of layer i = the output of layer i-1, which is what we capture.
+        self.capture_layers = tuple(i - 1 for i in idx)
+        self.name = f"eagle3:{path}"
+        self.drafter = Eagle3Drafter(head)
+        self.pending: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        """Per request: positions whose hidden states were seen but not yet fed (their next token unknown)."""
+        self.fed: dict[int, int] = {}
+
+    def observe(self, meta: Any, captured: dict[int, torch.Tensor]) -> None:
+        for s in meta.seqs:
+            rows = slice(s.query_start, s.query_start + s.num_query)
+            h = torch.stack([captured[l][rows] for l in self.capture_layers], dim=1)  # [n, 3, H]
+            positions, hidden = self.pending.setdefault(s.seq_id, ([], []))
+            first = s.context_len - s.num_query
+            positions.extend(range(first, s.context_len))
+            hidden.extend(h.unbind(0))
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        out = {}
+        for s in seqs:
+            positions, hidden = self.pending.get(s.seq_id, ([], []))
+            tokens = s.all_token_ids
+            fed = self.fed.get(s.seq_id, -1)
+            keep = [i for i, p in enumerate(positions) if fed < p and p + 1 < len(tokens)]
+            if not keep:
+                continue
+            pos = [positions[i] for i in keep]
+            ids = torch.tensor([tokens[p + 1] for p in pos], device=hidden[0].device)
+            aux = torch.stack([hidden[i] for i in keep])
+            out[s.seq_id] = self.drafter.propose(s.seq_id, ids, aux, torch.tensor(pos, device=aux.device))
+            self.fed[s.seq_id] = pos[-1]
+            self.pending[s.seq_id] = ([], [])
+        return out
+
+    def free(self, seq_id: int) -> None:
+        self.drafter.free(seq_id)
+        self.pending.pop(seq_id, None)
+        self.fed.pop(seq_id, None)
+
+
+def make_draft_source(spec: str, engine: LLMEngine) -> Any:
+    """Build a draft source from its name (see module docstring)."""
+    kind, _, arg = spec.partition(":")
+    mc = engine.model_config
+    device = torch.device(engine.config.device)
+    if kind == "ngram":
+        return NgramDraft(int(arg) if arg else 3)
+    if kind == "oracle":
+        return OracleDraft()
+    if kind == "layerskip":
+        n = int(arg) if arg else max(1, mc.num_layers // 2)
+        if not 1 <= n < mc.num_layers:
+            raise ValueError(f"layerskip:{n}: need 1 <= N < {mc.num_layers}")
+        return ModelDraft(f"layerskip:{n}", _TruncatedLM(engine.model, n), mc.head_dim, device)
+    if kind == "model":
+        if not arg:
+            raise ValueError("model draft needs a path: model:<path>")
+        from oasiskv_runtime.models.loader import load_model
+
+        net, _, cfg = load_model(arg, engine.config.device, engine.config.dtype)
+        if cfg.vocab_size != mc.vocab_size:
+            raise ValueError(f"draft model {arg} has vocab {cfg.vocab_size}, the target {mc.vocab_size}: "
+                             "a draft model must share the tokenizer")
+        return ModelDraft(f"model:{arg}", _FullLM(net), cfg.head_dim, device)
+    if kind == "eagle3":
+        if not arg:
+            raise ValueError("eagle3 draft needs a path: eagle3:<path>")
+        return Eagle3Source(arg, engine)
+    raise ValueError(f"unknown draft source {spec!r}; choose ngram[:N], layerskip[:N], model:<path>, "
+                     "eagle3:<path> or oracle")

@@ -1,0 +1,319 @@
+"""Sparse attention backend: every sparse mode of the engine, one code path.
+
+Per decode step and layer (SPEC mechanism items 1-5):
+
+1. the step's new K/V go to the request's primary store (device blocks for sparse-resident, the host pool
+   for host-pool modes), to the working set's local block, and into the compressed key summaries;
+2. the attention set is chosen per KV head: sparse-resident and fetch-on-demand predict it now from the
+   current query (fetch-on-demand also copies missing blocks before attending); proxy-prefetch and oasiskv
+   attend over what the previous step prefetched;
+3. one attention call covers the normal row and, in oasiskv, the draft row (look-ahead attention);
+4. proxy-prefetch / oasiskv then predict the next step's top-K (from the current query, or from the draft's
+   query) and run Algorithm 2 + the transfer for this layer, so step t+1's layer l only waits for step t's
+   layer-l transfer.
+
+Prefill is dense (over the primary store); at its end the working set is filled from the last prompt
+token's (or the draft's) prediction without a cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv_runtime.attention.dense import PagedKVCache
+from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+from oasiskv_runtime.config import Mode, SparseConfig
+from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
+from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk
+from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
+from oasiskv_runtime.ops.summary_update import update_summaries
+from oasiskv_runtime.sparse.selector_torch import select_batched
+from oasiskv_runtime.sparse.stats import SparseStats
+from oasiskv_runtime.transfer.engine import SyncTransferEngine, TransferPlan
+
+
+def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max((len(r) for r in rows), default=1))
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+@dataclass
+class DecodeBatch:
+    """Tensors for this step's sparse-decode requests (built once per step)."""
+
+    slices: list[SeqSlice]
+    state_rows: torch.Tensor       # [B] row of each request in the per-request state tensors
+    q_rows: torch.Tensor           # [B] flattened row of the normal token
+    draft_rows: torch.Tensor       # [B] flattened row of the draft token (= q_rows when no draft)
+    has_draft: torch.Tensor        # [B] bool
+    local_block: torch.Tensor      # [B] device block holding the active (partial) block
+    local_len: torch.Tensor        # [B] valid tokens in it, including this step's token
+    num_candidates: torch.Tensor   # [B] full logical blocks before the active block (this step)
+    next_candidates: torch.Tensor  # [B] the same for the next step
+    summary_table: torch.Tensor    # [B, S] device blocks of the summary rows
+    primary_table: torch.Tensor    # [B, NB] logical -> device block (sparse-resident) or host block
+    slot_blocks: torch.Tensor | None  # [B, K] device block of each working-set slot (host-pool modes)
+    local_rows: torch.Tensor | None   # [B] flat device row of this step's token in the local block
+
+
+class SparseAttention:
+    def __init__(self, mode: Mode, cfg: SparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, device_cache: PagedKVCache, host_cache: PagedKVCache | None,
+                 kv: KVCacheManager, scale: float, max_rows: int, device: torch.device) -> None:
+        self.mode, self.cfg = mode, cfg
+        self.num_layers, self.hkv, self.head_dim, self.bs = num_layers, num_kv_heads, head_dim, block_size
+        self.dev_cache, self.host_cache, self.kv = device_cache, host_cache, kv
+        self.scale, self.device = scale, device
+        self.k_slots = cfg.top_k_blocks
+        self.use_kernels = cfg.kernels == "gpu" or (cfg.kernels == "auto" and device.type == "cuda")
+        self.primary = host_cache if mode.uses_host_pool else device_cache
+        elem = device_cache.k[0].element_size()
+        self.stats = SparseStats(num_layers, bytes_per_head_block=2 * block_size * head_dim * elem)
+        self.dense_layers = set(cfg.dense_layers)
+        if mode.uses_host_pool:
+            shape = (max_rows, num_layers, num_kv_heads, self.k_slots)
+            self.slot_map = torch.full(shape, -1, dtype=torch.long, device=device)
+            """Per-head mapping (SPEC item 5): logical block held by each working-set slot, -1 empty."""
+            self.last_sel = torch.full(shape, -1, dtype=torch.long, device=device)
+            self.transfer = SyncTransferEngine(host_cache.k, host_cache.v, device_cache.k, device_cache.v)
+        self.rows: dict[int, int] = {}
+        self.free_rows = list(range(max_rows))
+        self.ready: set[int] = set()
+        self.pending_pred: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.meta: StepMetadata | None = None
+
+    # ---- request lifecycle ------------------------------------------------------------------------
+    def _row(self, seq_id: int) -> int:
+        if seq_id not in self.rows:
+            if not self.free_rows:
+                raise RuntimeError("sparse backend: more running requests than state rows")
+            self.rows[seq_id] = self.free_rows.pop()
+        return self.rows[seq_id]
+
+    def free_request(self, seq_id: int) -> None:
+        row = self.rows.pop(seq_id, None)
+        if row is None:
+            return
+        self.ready.discard(seq_id)
+        if self.mode.uses_host_pool:
+            self.slot_map[row] = -1
+            self.last_sel[row] = -1
+        self.free_rows.append(row)
+
+    # ---- per step ---------------------------------------------------------------------------------
+    def begin_step(self, meta: StepMetadata) -> None:
+        self.meta = meta
+        dev, bs = self.device, self.bs
+        written = (meta.slot_mapping >= 0).nonzero().squeeze(1)
+        self._written = written
+        self._sum_rows, self._reset = self._summary_rows(meta, written)
+        decode = [s for s in meta.seqs if s.num_query == 1 and s.seq_id in self.ready]
+        self._decode_ids = {s.seq_id for s in decode}
+        self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
+        self.batch = self._decode_batch(decode) if decode else None
+        self.stats.begin_step(len(decode))
+        del dev, bs
+
+    def _summary_rows(self, meta: StepMetadata, written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat summary row and reset flag of every written token (one row per logical block)."""
+        bs = self.bs
+        rows, reset = [], []
+        for s in meta.seqs:
+            table = self.kv.requests[s.seq_id].summary_blocks
+            for p in range(s.context_len - s.num_query, s.context_len):
+                j = p // bs
+                rows.append(table[j // bs] * bs + j % bs)
+                reset.append(p % bs == 0)
+        return (torch.tensor(rows, dtype=torch.long, device=self.device),
+                torch.tensor(reset, dtype=torch.bool, device=self.device))
+
+    def _decode_batch(self, decode: list[SeqSlice]) -> DecodeBatch:
+        dev, bs = self.device, self.bs
+        host = self.mode.uses_host_pool
+        local_block, slot_blocks, local_rows = [], [], []
+        for s in decode:
+            rb = self.kv.requests[s.seq_id]
+            p = s.context_len - 1
+            if host:
+                local_block.append(rb.ws_blocks[0])
+                slot_blocks.append(rb.ws_blocks[1:])
+                local_rows.append(rb.ws_blocks[0] * bs + p % bs)
+            else:
+                local_block.append(rb.device_blocks[p // bs])
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        pos = [s.context_len - 1 for s in decode]
+        return DecodeBatch(
+            slices=decode,
+            state_rows=t([self._row(s.seq_id) for s in decode]),
+            q_rows=t([s.query_start for s in decode]),
+            draft_rows=t([s.draft_row if s.draft_row is not None else s.query_start for s in decode]),
+            has_draft=torch.tensor([s.draft_row is not None for s in decode], device=dev),
+            local_block=t(local_block),
+            local_len=t([p % bs + 1 for p in pos]),
+            num_candidates=t([p // bs for p in pos]),
+            next_candidates=t([(p + 1) // bs for p in pos]),
+            summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in decode], 0, dev),
+            primary_table=_pad([s.block_table for s in decode], 0, dev),
+            slot_blocks=t(slot_blocks) if host else None,
+            local_rows=t(local_rows) if host else None,
+        )
+
+    # ---- the layer --------------------------------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, w = self.meta, self._written
+        self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), k[w], v[w])
+        b = self.batch
+        if b is not None and b.local_rows is not None:
+            self.dev_cache.write(layer, b.local_rows, k[b.q_rows], v[b.q_rows])
+        if w.numel():
+            update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer])
+        out = torch.empty_like(q)
+        dense_layer = layer in self.dense_layers
+        for s in self._prefill + (b.slices if (b is not None and dense_layer) else []):
+            self._dense_seq(layer, s, q, k, v, out)
+        if b is not None and not dense_layer:
+            self._sparse_decode(layer, b, q, k, v, out)
+        if b is not None and self.mode.prefetches:
+            pred_q = torch.where(b.has_draft[:, None, None], q[b.draft_rows], q[b.q_rows])
+            self._prefetch(layer, b, pred_q)
+        self._init_finished_prefills(layer, q)
+        return out
+
+    def _dense_seq(self, layer: int, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor) -> None:
+        """Causal attention over the full context from the primary store (prefill, and dense layers)."""
+        ks, vs = self.primary.gather(layer, s.block_table, s.context_len)
+        ks, vs = ks.to(q.device), vs.to(q.device)
+        rows = slice(s.query_start, s.query_start + s.num_query)
+        allowed = causal_allowed(s.num_query, s.context_len, q.device) if s.num_query > 1 else None
+        out[rows] = attend_ref(q[rows], ks, vs, self.scale, allowed)
+        if s.draft_row is not None:
+            d = s.draft_row
+            kd, vd = torch.cat([ks, k[d:d + 1]]), torch.cat([vs, v[d:d + 1]])
+            out[d:d + 1] = attend_ref(q[d:d + 1], kd, vd, self.scale)
+
+    def _predict(self, layer: int, query: torch.Tensor, b: DecodeBatch, num_candidates: torch.Tensor) -> torch.Tensor:
+        """Top-K logical blocks per KV head [B, Hkv, K] (-1 padded) from the summaries."""
+        sum_min, sum_max = self.dev_cache.k[layer], self.dev_cache.v[layer]
+        args = (query, sum_min, sum_max, b.summary_table, num_candidates, self.hkv)
+        scores = quest_scores(*args) if self.use_kernels else quest_scores_ref(*args)
+        if self.cfg.sink_blocks and scores.shape[-1]:
+            sink = min(self.cfg.sink_blocks, scores.shape[-1])
+            head = scores[..., :sink]
+            scores[..., :sink] = torch.where(torch.isinf(head), head, torch.full_like(head, float("inf")))
+        ids, _ = select_topk(scores, num_candidates, self.k_slots)
+        return ids.long()
+
+    def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        q_norm = q[b.q_rows]
+        if self.mode is Mode.SPARSE_RESIDENT:
+            pred = self._predict(layer, q_norm, b, b.num_candidates)
+            block_ids = torch.where(pred >= 0, b.primary_table.gather(1, pred.clamp_min(0).flatten(1)).view_as(pred),
+                                    pred)
+        else:
+            if self.mode is Mode.FETCH_ON_DEMAND:
+                pred = self._predict(layer, q_norm, b, b.num_candidates)
+                cap = self.cfg.fetch_cap if self.cfg.fetch_on_demand_cap else self.k_slots
+                self._select_and_fetch(layer, b, pred, cap)
+            elif self.cfg.measure_recall:
+                self._record_recall(layer, b, q_norm)
+            smap = self.slot_map[b.state_rows, layer]                         # [B, Hkv, K]
+            slots = b.slot_blocks[:, None, :].expand_as(smap)
+            block_ids = torch.where(smap >= 0, slots, torch.full_like(smap, -1))
+        qs = torch.stack([q_norm, q[b.draft_rows]], dim=1)                   # [B, 2, Hq, D]
+        res = sparse_decode_attention(qs, self.dev_cache.k[layer], self.dev_cache.v[layer], block_ids.int(),
+                                      b.local_block.int(), b.local_len.int(), self.scale,
+                                      k[b.draft_rows], v[b.draft_rows],
+                                      backend="auto" if self.use_kernels else "ref")
+        out[b.q_rows] = res[:, 0]
+        out[b.draft_rows[b.has_draft]] = res[:, 1][b.has_draft]
+
+    def _select_and_fetch(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int,
+                          initial: bool = False) -> None:
+        """Algorithm 2 on every (request, head) row of this layer, then one batched transfer."""
+        rows, slot_blocks, primary = b.state_rows, b.slot_blocks, b.primary_table
+        n, kk = rows.numel(), self.k_slots
+        smap, lsel = self.slot_map[rows, layer], self.last_sel[rows, layer]
+        plan = select_batched(smap.reshape(-1, kk), lsel.reshape(-1, kk), pred.reshape(-1, kk), cap,
+                              self.meta.step)
+        new_map = plan.new_slot_blocks.view(n, self.hkv, kk)
+        self.slot_map[rows, layer] = new_map
+        self.last_sel[rows, layer] = plan.new_last_selected.view(n, self.hkv, kk)
+        bi, hi, si = plan.admit_mask.view(n, self.hkv, kk).nonzero(as_tuple=True)
+        logical = new_map[bi, hi, si]
+        self.transfer.submit(TransferPlan(layer, primary[bi, logical], slot_blocks[bi, si], hi))
+        per_request = torch.bincount(bi, minlength=n).tolist()
+        self.stats.add_transfer(layer, [s.seq_id for s in b.slices], per_request,
+                                plan.num_deferred.view(n, self.hkv).sum(1).tolist(), initial)
+
+    def _prefetch(self, layer: int, b: DecodeBatch, pred_q: torch.Tensor) -> None:
+        pred = self._predict(layer, pred_q, b, b.next_candidates)
+        if self.cfg.measure_recall:
+            self.pending_pred[layer] = (b.state_rows.clone(), pred)
+        self._select_and_fetch(layer, b, pred, self.cfg.fetch_cap)
+
+    def _record_recall(self, layer: int, b: DecodeBatch, q_true: torch.Tensor) -> None:
+        """Recall of last step's prediction for this layer against the true query's top-K (SPEC item 1)."""
+        prev = self.pending_pred.pop(layer, None)
+        if prev is None:
+            return
+        prev_rows, prev_pred = prev
+        true = self._predict(layer, q_true, b, b.num_candidates)
+        match = (prev_rows[:, None] == b.state_rows[None, :]).nonzero(as_tuple=True)
+        for i_prev, i_now in zip(*match):
+            if int(b.num_candidates[i_now]) <= self.k_slots:
+                continue  # everything fits: recall is trivially 1 and would only inflate the average
+            t, p = true[i_now], prev_pred[i_prev]                               # [Hkv, K]
+            hits = (t[:, :, None] == p[:, None, :]).any(-1) & (t >= 0)
+            self.stats.add_recall(layer, hits.sum().item(), (t >= 0).sum().item())
+
+    def _init_finished_prefills(self, layer: int, q: torch.Tensor) -> None:
+        done = [s for s in self._prefill if s.completes]
+        if not done:
+            return
+        if not self.mode.uses_host_pool:
+            return
+        bs = self.bs
+        rows = torch.tensor([self._row(s.seq_id) for s in done], dtype=torch.long, device=self.device)
+        qi = torch.tensor([s.draft_row if (s.draft_row is not None and self.mode.uses_draft)
+                           else s.query_start + s.num_query - 1 for s in done], device=self.device)
+        ws = [self.kv.requests[s.seq_id].ws_blocks for s in done]
+        fake = DecodeBatch(
+            slices=done, state_rows=rows, q_rows=qi, draft_rows=qi, has_draft=torch.zeros_like(rows, dtype=torch.bool),
+            local_block=torch.tensor([w[0] for w in ws], device=self.device), local_len=rows,
+            num_candidates=torch.tensor([s.context_len // bs for s in done], device=self.device),
+            next_candidates=torch.tensor([s.context_len // bs for s in done], device=self.device),
+            summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in done], 0, self.device),
+            primary_table=_pad([s.block_table for s in done], 0, self.device),
+            slot_blocks=torch.tensor([w[1:] for w in ws], dtype=torch.long, device=self.device), local_rows=None)
+        pred = self._predict(layer, q[qi], fake, fake.next_candidates)
+        self.slot_map[rows, layer] = -1
+        self.last_sel[rows, layer] = -1
+        self._select_and_fetch(layer, fake, pred, self.k_slots, initial=True)
+        # The active block's earlier tokens (the prompt's tail) go into the local slot.
+        for s, w in zip(done, ws):
+            j, used = s.context_len // bs, s.context_len % bs
+            if used:
+                hb = s.block_table[j]
+                self.dev_cache.k[layer][w[0], :used] = self.host_cache.k[layer][hb, :used].to(self.device)
+                self.dev_cache.v[layer][w[0], :used] = self.host_cache.v[layer][hb, :used].to(self.device)
+
+    def end_step(self) -> None:
+        if self.meta is not None:
+            for s in self.meta.seqs:
+                if s.completes and s.seq_id not in self._decode_ids:
+                    self._row(s.seq_id)
+                    self.ready.add(s.seq_id)
+        self.stats.end_step()
+        self.meta = None
+
+    # ---- reporting --------------------------------------------------------------------------------
+    def run_stats(self) -> dict:
+        return self.stats.run_stats()
+
+    def request_metrics(self, seq_id: int) -> dict:
+        return self.stats.request_metrics(seq_id)
