@@ -1,0 +1,156 @@
+"""In-place update of the Quest key summaries (element-wise min / max per logical block).
+
+SPEC mechanism item 2. ``sum_min`` / ``sum_max``: ``[num_blocks, block_size, Hkv, D]``
+(contiguous; a summary "row" is one ``[Hkv, D]`` slice, flat index
+``physical_block * block_size + row``, i.e. a row of ``sum_min.view(-1, Hkv, D)``).
+
+``update_summaries(k_new [T, Hkv, D], rows [T] int64, reset [T] bool, sum_min, sum_max)``:
+each token t folds its key into row ``rows[t]``. ``reset[t]`` marks the FIRST token of a
+logical block: the row's previous content is stale (the physical row is being reused)
+and is replaced. Semantics, for every touched row r::
+
+    base    = +inf / -inf          if any token with reset hits r
+            = old sum_min/sum_max  otherwise
+    new_min = min(base, min_{t: rows[t] = r} k_new[t])   (same for max)
+
+This is order independent, so a prefill chunk may send many tokens to one row (the
+block's first token carries reset=True, the others False).
+
+* :func:`update_summaries_ref` handles repeated rows: reset rows are first overwritten
+  with a resetting token's key, then ``scatter_reduce_(amin / amax, include_self=True)``.
+* the Triton kernel (one program per token, all Hkv * D lanes) assumes the rows are
+  DISTINCT (decode: one new token per request). :func:`update_summaries` checks that
+  (``assume_distinct=None``: one ``torch.unique`` and a host sync) and falls back to the
+  reference when rows repeat; a decode caller that knows rows are distinct passes
+  ``assume_distinct=True`` and the call stays asynchronous.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+__all__ = ["update_summaries", "update_summaries_ref"]
+
+triton = None
+tl = None
+_KERNELS = None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _check(k_new, rows, reset, sum_min, sum_max):
+    if sum_min.shape != sum_max.shape or sum_min.dim() != 4:
+        raise ValueError("sum_min/sum_max must be equal-shaped [num_blocks, block_size, Hkv, D]")
+    if not (sum_min.is_contiguous() and sum_max.is_contiguous()):
+        raise ValueError("sum_min/sum_max must be contiguous")
+    Hkv, D = sum_min.shape[2], sum_min.shape[3]
+    if k_new.dim() != 3 or k_new.shape[1:] != (Hkv, D):
+        raise ValueError(f"k_new must be [T, {Hkv}, {D}], got {tuple(k_new.shape)}")
+    T = k_new.shape[0]
+    if rows.shape != (T,) or reset.shape != (T,):
+        raise ValueError("rows and reset must be [T]")
+    return T, Hkv, D
+
+
+def update_summaries_ref(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor,
+                         sum_min: torch.Tensor, sum_max: torch.Tensor) -> None:
+    """Plain-PyTorch reference; any number of tokens may hit the same row."""
+    T, Hkv, D = _check(k_new, rows, reset, sum_min, sum_max)
+    if T == 0:
+        return
+    fmin = sum_min.view(-1, Hkv, D)
+    fmax = sum_max.view(-1, Hkv, D)
+    dev = fmin.device
+    k = k_new.to(device=dev, dtype=fmin.dtype)
+    rows = rows.to(dev, torch.int64)
+    reset = reset.to(dev, torch.bool)
+    if bool(reset.any()):
+        rr = rows[reset]
+        kr = k[reset]
+        fmin.index_copy_(0, rr, kr)  # a resetting token's key replaces the stale row
+        fmax.index_copy_(0, rr, kr)
+    idx = rows.view(T, 1, 1).expand(T, Hkv, D)
+    fmin.scatter_reduce_(0, idx, k, reduce="amin", include_self=True)
+    fmax.scatter_reduce_(0, idx, k, reduce="amax", include_self=True)
+
+
+def _kernels():
+    global _KERNELS, triton, tl
+    if _KERNELS is not None:
+        return _KERNELS
+    import triton as _triton
+    import triton.language as _tl
+    triton, tl = _triton, _tl
+
+    @triton.jit
+    def _summary_update_kernel(KNEW, ROWS, RESET, SMIN, SMAX, s_kt, s_kh, HD,
+                               D: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = off < HD
+        r = tl.load(ROWS + t).to(tl.int64)
+        rs = tl.load(RESET + t) != 0
+        k = tl.load(KNEW + t.to(tl.int64) * s_kt + (off // D) * s_kh + off % D, mask=ok,
+                    other=0.0).to(SMIN.dtype.element_ty)
+        keep = ok & (rs == 0)
+        old_mn = tl.load(SMIN + r * HD + off, mask=keep, other=0.0)
+        old_mx = tl.load(SMAX + r * HD + off, mask=keep, other=0.0)
+        new_mn = tl.where(rs, k, tl.minimum(old_mn, k))
+        new_mx = tl.where(rs, k, tl.maximum(old_mx, k))
+        tl.store(SMIN + r * HD + off, new_mn, mask=ok)
+        tl.store(SMAX + r * HD + off, new_mx, mask=ok)
+
+    from types import SimpleNamespace
+    _KERNELS = SimpleNamespace(update=_summary_update_kernel)
+    return _KERNELS
+
+
+def _triton_available() -> bool:
+    try:
+        _kernels()
+        return True
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _update_summaries_triton(k_new, rows, reset, sum_min, sum_max) -> None:
+    T, Hkv, D = _check(k_new, rows, reset, sum_min, sum_max)
+    if T == 0:
+        return
+    K = _kernels()
+    if k_new.stride(-1) != 1:
+        k_new = k_new.contiguous()
+    rows = rows.to(device=sum_min.device, dtype=torch.int64).contiguous()
+    reset = reset.to(device=sum_min.device, dtype=torch.uint8).contiguous()
+    HD = Hkv * D
+    BLOCK = min(2048, _next_pow2(HD))
+    grid = (T, triton.cdiv(HD, BLOCK))
+    with (torch.cuda.device(sum_min.device) if sum_min.is_cuda else contextlib.nullcontext()):
+        K.update[grid](k_new, rows, reset, sum_min, sum_max, k_new.stride(0), k_new.stride(1), HD,
+                       D=D, BLOCK=BLOCK, num_warps=4)
+
+
+def update_summaries(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor,
+                     sum_min: torch.Tensor, sum_max: torch.Tensor, *,
+                     assume_distinct: Optional[bool] = None, backend: str = "auto") -> None:
+    """Fold new keys into the block summaries in place (see the module docstring).
+
+    The Triton kernel needs distinct ``rows``; with ``assume_distinct=None`` this is
+    checked (a host sync) and repeated rows go to :func:`update_summaries_ref`.
+    """
+    if backend not in ("auto", "triton", "ref"):
+        raise ValueError(f"unknown backend {backend!r}")
+    use_triton = backend == "triton" or (
+        backend == "auto" and sum_min.is_cuda and _triton_available())
+    if use_triton and not assume_distinct:
+        T = rows.shape[0]
+        if T > 1 and torch.unique(rows).numel() != T:
+            use_triton = False  # prefill chunk: several tokens per row -> scatter_reduce ref
+    if not use_triton:
+        update_summaries_ref(k_new, rows, reset, sum_min, sum_max)
+        return
+    _update_summaries_triton(k_new, rows, reset, sum_min, sum_max)

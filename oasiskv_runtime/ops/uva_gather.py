@@ -1,0 +1,288 @@
+"""Zero-copy (UVA) gather of per-head KV blocks: pinned host pool -> GPU cache, ONE launch.
+
+SPEC mechanism items 3-5 (the KV transfer stage). For each i::
+
+    dev_k[dst_blocks[i], :, heads[i], :] = host_k[src_blocks[i], :, heads[i], :]
+    dev_v[dst_blocks[i], :, heads[i], :] = host_v[src_blocks[i], :, heads[i], :]
+
+``host_k/host_v``: ``[num_host_blocks, block_size, Hkv, D]`` pinned CPU tensors (a CUDA
+tensor is accepted too, for tests); ``dev_k/dev_v``: ``[num_dev_blocks, block_size, Hkv, D]``
+CUDA tensors. The GPU reads the pinned pages straight over PCIe (zero-copy): no staging
+copy and never one copy call per block (measured 70x slower, FACTS.md). Duplicate
+``(dst_blocks[i], heads[i])`` pairs are undefined (last writer wins, in no fixed order).
+
+Two kernels, one launch each (grid = n copies x {K, V}):
+
+* ``"triton"`` (default): a Triton copy kernel. Triton refuses plain CPU tensors only
+  because its launcher asks the driver for the device address of each pointer
+  argument (``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)``), which fails
+  for pageable memory. Pinned (``cudaHostAlloc``, hence mapped under UVA) memory has a
+  device address, so we hand the kernel a tiny pointer wrapper (``data_ptr`` + ``dtype``,
+  the duck type Triton documents) and the launcher resolves it to the mapped address.
+  Pageable host tensors are rejected with a clear error.
+* ``"cuda"``: ``csrc/uva_gather.cu``, plain CUDA C compiled with ``nvcc -arch=sm_90``
+  (no torch headers, seconds to build) into a shared library loaded with ctypes; it maps
+  the host pointers with ``cudaHostGetDevicePointer`` and copies in 16-byte units with
+  several loads in flight per thread. Used when Triton is missing or refuses the
+  pointer, and kept as a second implementation for the benchmark.
+
+``uva_gather_ref`` is the plain-torch reference: index_select on the host, one bulk
+``.to(device)``, ``index_copy_`` into the flat ``[blocks * block_size * Hkv, D]`` view.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["uva_gather", "uva_gather_ref", "build_cuda_extension"]
+
+triton = None
+tl = None
+_KERNELS = None
+_CUDA_LIB = None
+_LOCK = threading.Lock()
+_CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads):
+    if host_k.shape != host_v.shape or dev_k.shape != dev_v.shape:
+        raise ValueError("host_k/host_v and dev_k/dev_v must be equal-shaped")
+    if host_k.dim() != 4 or host_k.shape[1:] != dev_k.shape[1:]:
+        raise ValueError(f"host blocks {tuple(host_k.shape)} and device blocks "
+                         f"{tuple(dev_k.shape)} must share [block_size, Hkv, D]")
+    if host_k.dtype != dev_k.dtype or host_v.dtype != dev_v.dtype:
+        raise ValueError("host and device caches must share a dtype")
+    n = src_blocks.numel()
+    if dst_blocks.numel() != n or heads.numel() != n:
+        raise ValueError("src_blocks, dst_blocks and heads must have one entry per copy")
+    return n
+
+
+def uva_gather_ref(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads) -> None:
+    """Reference: gather on the source device, one bulk transfer, index_copy_ on the target."""
+    n = _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
+    if n == 0:
+        return
+    _, BS, H, D = host_k.shape
+    t = torch.arange(BS, dtype=torch.int64)
+
+    def flat_rows(blocks, hd, device):
+        blocks = blocks.to(device, torch.int64).view(n, 1)
+        hd = hd.to(device, torch.int64).view(n, 1)
+        return ((blocks * BS + t.to(device).view(1, BS)) * H + hd).reshape(-1)
+
+    s_idx = flat_rows(src_blocks, heads, host_k.device)
+    d_idx = flat_rows(dst_blocks, heads, dev_k.device)
+    for h_t, d_t in ((host_k, dev_k), (host_v, dev_v)):
+        vals = h_t.reshape(-1, D).index_select(0, s_idx).to(d_t.device)
+        d_t.view(-1, D).index_copy_(0, d_idx, vals)
+
+
+# --------------------------------------------------------------------------------------
+# Triton path
+# --------------------------------------------------------------------------------------
+class _MappedPtr:
+    """Pointer argument for Triton: the launcher resolves ``data_ptr()`` of pinned host
+    memory to its UVA device address (cuPointerGetAttribute)."""
+
+    __slots__ = ("tensor", "dtype")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.dtype = tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+
+def _kernels():
+    global _KERNELS, triton, tl
+    if _KERNELS is not None:
+        return _KERNELS
+    import triton as _triton
+    import triton.language as _tl
+    triton, tl = _triton, _tl
+
+    @triton.jit
+    def _uva_gather_kernel(HK, HV, DK, DV, SRC, DST, HEADS,
+                           hs_b, hs_t, hs_h, ds_b, ds_t, ds_h, BS,
+                           D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
+        i = tl.program_id(0)
+        which = tl.program_id(1)
+        src = tl.load(SRC + i).to(tl.int64)
+        dst = tl.load(DST + i).to(tl.int64)
+        hd = tl.load(HEADS + i).to(tl.int64)
+        r = tl.arange(0, ROWS)
+        d = tl.arange(0, D_PAD)
+        s_base = src * hs_b + hd * hs_h
+        d_base = dst * ds_b + hd * ds_h
+        for r0 in range(0, BS, ROWS):
+            rr = r0 + r
+            m = (rr < BS)[:, None] & (d < D)[None, :]
+            s_off = s_base + (rr * hs_t)[:, None] + d[None, :]
+            d_off = d_base + (rr * ds_t)[:, None] + d[None, :]
+            if which == 0:
+                x = tl.load(HK + s_off, mask=m)
+                tl.store(DK + d_off, x, mask=m)
+            else:
+                x = tl.load(HV + s_off, mask=m)
+                tl.store(DV + d_off, x, mask=m)
+
+    from types import SimpleNamespace
+    _KERNELS = SimpleNamespace(gather=_uva_gather_kernel)
+    return _KERNELS
+
+
+def _triton_available() -> bool:
+    try:
+        _kernels()
+        return True
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _index(t: torch.Tensor, device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
+
+
+def _host_ptrs(host_k, host_v):
+    if host_k.is_cuda:
+        return host_k, host_v
+    if not (host_k.is_pinned() and host_v.is_pinned()):
+        raise ValueError("uva_gather: host_k/host_v must be pinned (pin_memory()) for zero-copy")
+    return _MappedPtr(host_k), _MappedPtr(host_v)
+
+
+def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n):
+    K = _kernels()
+    _, BS, H, D = host_k.shape
+    if host_k.stride() != host_v.stride() or dev_k.stride() != dev_v.stride():
+        raise ValueError("K and V tensors must share strides")
+    if host_k.stride(-1) != 1 or dev_k.stride(-1) != 1:
+        raise ValueError("unit stride on head_dim required")
+    D_PAD = _next_pow2(D)
+    rows = max(1, min(_next_pow2(BS), 8192 // max(D_PAD, 1)))  # <= 8K elements per tile
+    hk, hv = _host_ptrs(host_k, host_v)
+    with torch.cuda.device(dev_k.device):
+        K.gather[(n, 2)](hk, hv, dev_k, dev_v, src, dst, heads,
+                         host_k.stride(0), host_k.stride(1), host_k.stride(2),
+                         dev_k.stride(0), dev_k.stride(1), dev_k.stride(2), BS,
+                         D=D, D_PAD=D_PAD, ROWS=rows, num_warps=4)
+
+
+# --------------------------------------------------------------------------------------
+# CUDA C path (nvcc + ctypes)
+# --------------------------------------------------------------------------------------
+def _find_nvcc() -> Optional[str]:
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "bin" / "nvcc").exists():
+            return str(Path(cand) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build_cuda_extension(verbose: bool = False) -> ctypes.CDLL:
+    """Compile ``csrc/uva_gather.cu`` (cached by source hash) and load it with ctypes."""
+    global _CUDA_LIB
+    with _LOCK:
+        if _CUDA_LIB is not None:
+            return _CUDA_LIB
+        src = _CSRC.read_bytes()
+        tag = hashlib.sha256(src).hexdigest()[:16]
+        cache = Path(os.environ.get("OASISKV_BUILD_DIR",
+                                    Path.home() / ".cache" / "oasiskv_runtime"))
+        cache.mkdir(parents=True, exist_ok=True)
+        lib = cache / f"libuva_gather_{tag}.so"
+        if not lib.exists():
+            nvcc = _find_nvcc()
+            if nvcc is None:
+                raise RuntimeError("uva_gather cuda backend: nvcc not found (set CUDA_HOME)")
+            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [nvcc, "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC",
+                   str(_CSRC), "-o", str(tmp)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
+            if verbose:
+                print(r.stdout, r.stderr)
+            os.replace(tmp, lib)
+        dll = ctypes.CDLL(str(lib))
+        f = dll.oasis_uva_gather
+        f.restype = ctypes.c_int
+        f.argtypes = ([ctypes.c_uint64] * 7 + [ctypes.c_int64] * 7
+                      + [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64])
+        _CUDA_LIB = dll
+        return dll
+
+
+def _gather_cuda(host_k, host_v, dev_k, dev_v, src, dst, heads, n):
+    dll = build_cuda_extension()
+    _, BS, H, D = host_k.shape
+    if host_k.stride() != host_v.stride() or dev_k.stride() != dev_v.stride():
+        raise ValueError("K and V tensors must share strides")
+    if host_k.stride(-1) != 1 or dev_k.stride(-1) != 1:
+        raise ValueError("unit stride on head_dim required")
+    if not host_k.is_cuda and not (host_k.is_pinned() and host_v.is_pinned()):
+        raise ValueError("uva_gather: host_k/host_v must be pinned (pin_memory()) for zero-copy")
+    es = host_k.element_size()
+    hs = [s * es for s in host_k.stride()[:3]]
+    ds = [s * es for s in dev_k.stride()[:3]]
+    with torch.cuda.device(dev_k.device):
+        stream = torch.cuda.current_stream(dev_k.device).cuda_stream
+        rc = dll.oasis_uva_gather(host_k.data_ptr(), host_v.data_ptr(), dev_k.data_ptr(),
+                                  dev_v.data_ptr(), src.data_ptr(), dst.data_ptr(),
+                                  heads.data_ptr(), n, *hs, *ds, BS, D * es,
+                                  1 if host_k.is_cuda else 0, stream)
+    if rc != 0:
+        raise RuntimeError(f"oasis_uva_gather failed with cudaError {rc}")
+
+
+_PREFERRED = ("triton", "cuda")
+
+
+def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
+               dev_v: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
+               heads: torch.Tensor, *, backend: str = "auto") -> str:
+    """Copy the listed (block, head) slices host -> device in one kernel launch.
+
+    ``backend``: ``"auto"`` (Triton, else the CUDA C kernel; the reference when
+    ``dev_k`` is not on CUDA), ``"triton"``, ``"cuda"`` or ``"ref"``. Index tensors may
+    live on the host or the device (int32/int64). Returns the backend used.
+    """
+    n = _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
+    if backend not in ("auto", "triton", "cuda", "ref"):
+        raise ValueError(f"unknown backend {backend!r}")
+    if backend == "ref" or (backend == "auto" and not dev_k.is_cuda):
+        uva_gather_ref(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
+        return "ref"
+    if n == 0:
+        return backend
+    dev = dev_k.device
+    src, dst, hd = _index(src_blocks, dev), _index(dst_blocks, dev), _index(heads, dev)
+    order = _PREFERRED if backend == "auto" else (backend,)
+    err = None
+    for be in order:
+        try:
+            if be == "triton":
+                if backend == "auto" and not _triton_available():
+                    continue
+                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n)
+            else:
+                _gather_cuda(host_k, host_v, dev_k, dev_v, src, dst, hd, n)
+            return be
+        except ValueError as e:  # a refused pointer: try the next backend
+            if "pinned" in str(e) or backend != "auto":
+                raise
+            err = e
+    raise RuntimeError(f"uva_gather: no backend could run ({err})")
