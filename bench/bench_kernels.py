@@ -506,7 +506,7 @@ def print_table(res):
     if "score_topk" in res:
         print("\nQuest score + top-128, B=64 Hq=32 Hkv=8 D=128")
         for k, v in res["score_topk"].items():
-            ks = [x for x in v if x.startswith("score_kernel")]
+            ks = [x for x in v if x.startswith("score_kernel_bj")]
             kern = ", ".join(f"{x[13:]} {v[x]['ms'] * 1e3:.0f} us ({v[x]['GBps']:.0f} GB/s)"
                              for x in ks)
             print(f"  {k}: total {v['score_topk_total_ms'] * 1e3:.0f} us (torch-rank total "

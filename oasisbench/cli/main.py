@@ -5,10 +5,14 @@ from __future__ import annotations
 import typer
 
 from oasisbench.cli import models
+from oasisbench.cli.accuracy import accuracy_cmd
+from oasisbench.cli.baseline import baseline_cmd
 from oasisbench.cli.compare import compare_cmd
 from oasisbench.cli.gate import gate_cmd
 from oasisbench.cli.generate import generate_cmd
+from oasisbench.cli.recall import recall_cmd
 from oasisbench.cli.report import report_cmd
+from oasisbench.cli.throughput import run_cmd, throughput_cmd
 
 app = typer.Typer(
     name="oasisbench",
@@ -21,6 +25,11 @@ app.add_typer(models.app, name="models")
 app.command("report")(report_cmd)
 app.command("compare")(compare_cmd)
 app.command("gate")(gate_cmd)
+app.command("throughput")(throughput_cmd)
+app.command("run")(run_cmd)
+app.command("make-baseline")(baseline_cmd)
+app.command("accuracy")(accuracy_cmd)
+app.command("recall")(recall_cmd)
 
 
 def main() -> None:

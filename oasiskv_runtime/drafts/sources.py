@@ -82,11 +82,9 @@ class OracleDraft(_NoObserve):
             if s.forced_output_ids is None:
                 raise ValueError("the oracle draft needs the true continuation: generate with forced_output_ids "
                                  "(teacher forcing), as `oasisbench recall` does")
-            i = len(s.output_token_ids) + 1  # this step samples output i-1; the draft guesses output i
-            if s.num_pending_tokens == 1 and i < len(s.forced_output_ids):
+            i = len(s.output_token_ids)  # this step's forward computes the last token and samples output i
+            if i < len(s.forced_output_ids):
                 out[s.seq_id] = s.forced_output_ids[i]
-            elif s.num_pending_tokens > 1 and len(s.output_token_ids) < len(s.forced_output_ids):
-                out[s.seq_id] = s.forced_output_ids[len(s.output_token_ids)]
         return out
 
 

@@ -287,11 +287,16 @@ def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,
 
     ``slots``: blocks gathered per loop iteration (tokens per tile = slots * block_size,
     64 for 16-token blocks); ``n_splits``: programs per (request, kv head) along the
-    slot axis. Measured on the H200 at B=64, Hkv=8, 129 x 16 tokens, D=128 (512 pairs,
-    3.9 per SM): 1 split 134 us (4.0 TB/s), 2 splits 144 us, 4 splits 163 us, 16 splits
-    197 us; num_stages=3 beat 2 (134 vs 179 us at 1 split); 8 warps were slower. So:
-    no split once there are >= 2 (request, head) pairs per SM, else enough splits for
-    ~4 programs per SM, keeping >= 2 tiles of work per program.
+    slot axis. Device time (CUDA-graph replay) on the H200, 129 x 16 tokens, D=128, Q=2:
+
+    * B=64, Hkv=8 (512 pairs): 1 split 134 us (4.04 TB/s), 2: 144, 3: 153, 4: 162 us;
+      num_stages 3 or 4 (134 us) beat 2 (180 us at 1 split); slots 4 beat 2 (146) and
+      8 (151); 8 warps were slower;
+    * B=16 (128 pairs): 1 split 70 us, 2: 48, 4: 47, 5: 54, 8: 52, 17: 52 us;
+    * B=4 (32 pairs): 1 split 66 us, 4: 24, 8: 19, 17: 19, 33: 20 us.
+
+    So: no split once there are >= 2 (request, head) pairs per SM, else enough splits
+    for ~2 programs per SM, keeping >= 2 tiles of work per program.
     """
     bs_pad = _next_pow2(block_size)
     slots = max(1, 64 // bs_pad)
@@ -302,7 +307,7 @@ def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,
     if pairs >= 2 * num_sms:
         n_splits = 1
     else:
-        want = math.ceil(4 * num_sms / pairs)
+        want = math.ceil(2 * num_sms / pairs)
         max_splits = max(1, math.ceil(total / (2 * slots)))
         n_splits = max(1, min(want, max_splits, 64))
     return {"slots": slots, "n_splits": n_splits, "num_warps": 4, "num_stages": 3}

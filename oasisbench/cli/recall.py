@@ -1,0 +1,71 @@
+"""``oasisbench recall``: per-layer prediction recall of proxy-prefetch vs oasiskv drafts on real text."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from oasisbench.cli.options import DEFAULT_MODEL_NAME, DeviceOpt, DtypeOpt, ModelOpt, default_device, default_dtype
+from oasisbench.cli.report import fail
+
+
+def recall_cmd(
+    model: ModelOpt = DEFAULT_MODEL_NAME,
+    context_len: Annotated[str, typer.Option("--context-len", help="Comma list of context lengths.")] = "2048",
+    drafts: Annotated[str, typer.Option("--drafts", help="Comma list of oasiskv drafts to compare with "
+                                        "proxy-prefetch.")] = "ngram,layerskip,oracle",
+    top_k_blocks: Annotated[int | None, typer.Option("--top-k-blocks", help="Budget; default 1/8 of the "
+                                                     "context's blocks.")] = None,
+    num_texts: Annotated[int, typer.Option("--num-texts", help="Essay windows (requests).")] = 2,
+    num_steps: Annotated[int, typer.Option("--num-steps", help="Teacher-forced decode steps per text.")] = 32,
+    fetch_ratio: Annotated[float, typer.Option("--fetch-ratio")] = 0.05,
+    device: DeviceOpt = "",
+    dtype: DtypeOpt = "",
+    output_dir: Annotated[Path, typer.Option("--output-dir")] = Path("results"),
+) -> None:
+    """Measure how well each look-ahead predicts the next step's top-K blocks, per layer.
+
+    Example: oasisbench recall --context-len 2048,4096 --drafts ngram,layerskip,oracle
+    """
+    from oasisbench.results.store import atomic_write_json
+    from oasisbench.runners.recall import run_recall
+
+    device = default_device(device)
+    try:
+        ctxs = [int(x) for x in context_len.split(",") if x]
+    except ValueError:
+        raise fail(f"--context-len must be a comma list of integers, got {context_len!r}") from None
+    configs = [("proxy-prefetch", None)] + [("oasiskv", d) for d in drafts.split(",") if d]
+    console = Console()
+    table = Table(title=f"prediction recall, {model}")
+    for col in ("context", "K", "mode", "draft", "recall", "min layer", "draft acc", "fetched KB/step"):
+        table.add_column(col)
+    run_dir = output_dir / "recall" / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    done = []
+
+    def on_point(p) -> None:
+        done.append(dataclasses.asdict(p))
+        atomic_write_json(run_dir / "recall.json", {"schema_version": 1, "model": model, "device": device,
+                                                     "points": done})
+        layers = [r for r in p.recall_per_layer if r is not None]
+        table.add_row(str(p.context_len), str(p.top_k_blocks), p.mode, p.draft or "-",
+                      f"{p.recall:.4f}" if p.recall is not None else "n/a",
+                      f"{min(layers):.4f}" if layers else "n/a",
+                      f"{p.draft_accuracy:.3f}" if p.draft_accuracy is not None else "-",
+                      f"{p.fetched_bytes_per_step / 1024:.1f}")
+        console.print(f"done: ctx {p.context_len} {p.mode} {p.draft or ''} recall={p.recall}")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_recall(model, ctxs, configs, top_k_blocks, num_texts, num_steps, fetch_ratio, device,
+                   default_dtype(dtype, device), on_point)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise fail(str(e)) from None
+    console.print(table)
+    console.print(f"results: {run_dir / 'recall.json'}")

@@ -1,0 +1,164 @@
+"""Sparse modes of the engine: exactness with a full budget, an independent Quest reference, bounded
+working sets, GQA aggregation, recall bookkeeping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oasiskv_runtime import LLM, SamplingParams
+from oasiskv_runtime.attention.ref import attend_ref
+from oasiskv_runtime.ops.score_topk import quest_scores_ref
+from tests.tiny_models import write_tiny
+
+SPARSE = ["sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"]
+PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 9, [300, 12] * 20, list(range(40, 40 + 77)), [3, 4, 5, 6] * 5]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    return str(write_tiny(tmp_path_factory.mktemp(request.param), request.param, max_position_embeddings=16384))
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(tiny):
+    return [o.token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("mode", SPARSE)
+def test_full_budget_equals_dense(tiny, dense_tokens, mode):
+    # block_size 4 and 16-token chunks exercise chunked prefill into the host pool and many block boundaries.
+    llm = LLM(tiny, mode=mode, top_k_blocks=64, block_size=4, max_num_batched_tokens=16, draft="ngram")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
+
+
+@pytest.mark.parametrize("draft", ["layerskip:2", "oracle"])
+def test_full_budget_equals_dense_with_other_drafts(tiny, dense_tokens, draft):
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=draft)
+    forced = dense_tokens if draft == "oracle" else None
+    outs = llm.generate(PROMPTS, GREEDY, forced_output_ids=forced)
+    assert [o.token_ids for o in outs] == dense_tokens
+    if draft == "oracle":
+        assert llm.engine.run_stats()["draft_accuracy"] == 1.0
+
+
+class QuestReference:
+    """An independent Quest decode: full KV kept per layer, per-block key min/max recomputed from the keys,
+    per-head top-K by the upper bound (group max over the GQA group), plus the active block."""
+
+    def __init__(self, top_k: int, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self.k, self.v = {}, {}
+        self.top_k, self.bs, self.hkv = top_k, block_size, num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(self, layer, q, k, v):
+        if layer in self.k:
+            self.k[layer] = torch.cat([self.k[layer], k])
+            self.v[layer] = torch.cat([self.v[layer], v])
+        else:
+            self.k[layer], self.v[layer] = k, v
+        K, V = self.k[layer], self.v[layer]
+        n, bs = K.shape[0], self.bs
+        if q.shape[0] > 1:  # prefill: causal dense
+            allowed = torch.arange(n)[None, :] <= torch.arange(n - q.shape[0], n)[:, None]
+            return attend_ref(q, K, V, self.scale, allowed)
+        full = (n - 1) // bs  # full blocks before the active one
+        out = torch.empty_like(q)
+        g = q.shape[1] // self.hkv
+        for h in range(self.hkv):
+            keep = list(range(full * bs, n))
+            if full:
+                blocks = K[: full * bs, h].view(full, bs, -1)
+                kmin, kmax = blocks.amin(1), blocks.amax(1)
+                qh = q[0, h * g:(h + 1) * g]                                            # [g, D]
+                score = torch.maximum(qh[:, None] * kmin[None], qh[:, None] * kmax[None]).sum(-1).amax(0)
+                chosen = sorted(torch.topk(score, min(self.top_k, full)).indices.tolist())
+                keep = [j * bs + r for j in chosen for r in range(bs)] + keep
+            idx = torch.tensor(keep)
+            out[:, h * g:(h + 1) * g] = attend_ref(q[:, h * g:(h + 1) * g], K[idx, h:h + 1], V[idx, h:h + 1],
+                                                   self.scale)
+        return out
+
+
+def test_sparse_resident_equals_independent_quest_reference(tiny):
+    top_k, bs = 3, 4
+    llm = LLM(tiny, mode="sparse-resident", top_k_blocks=top_k, block_size=bs)
+    prompt = PROMPTS[2]
+    ours = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].token_ids
+    model, mc = llm.engine.model, llm.engine.model_config
+    ref = QuestReference(top_k, bs, mc.num_kv_heads, mc.head_dim)
+    tokens = list(prompt)
+    with torch.inference_mode():
+        ids = torch.tensor(tokens)
+        hidden, _ = model(ids, torch.arange(len(tokens)), ref)
+        expected = []
+        for _ in range(24):
+            nxt = int(model.compute_logits(hidden[-1:]).argmax(-1))
+            expected.append(nxt)
+            hidden, _ = model(torch.tensor([nxt]), torch.tensor([len(tokens)]), ref)
+            tokens.append(nxt)
+    assert ours == expected
+    dense = LLM(tiny).generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    assert dense.token_ids != ours  # 3 blocks of 4 really are sparse for a 77-token prompt
+
+
+def _resident(tiny: str, ctx: int, **kw) -> float:
+    llm = LLM(tiny, **kw)
+    llm.generate([[7 + (i % 300) for i in range(ctx)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    return llm.engine.run_stats()["resident_gpu_bytes_per_request"]
+
+
+@pytest.mark.parametrize("mode", ["fetch-on-demand", "proxy-prefetch", "oasiskv"])
+def test_resident_bytes_do_not_grow_with_context(tiny, mode):
+    short, long = (_resident(tiny, ctx, mode=mode, top_k_blocks=8) for ctx in (1024, 2048))
+    block_bytes = 16 * 2 * 5 * 3 * 48 * 4
+    summaries = 2048 // 16 // 16 - 1024 // 16 // 16  # summary rows are 1/16 of KV, kept in device blocks
+    assert long - short <= summaries * block_bytes
+    summary_blocks = -(-(-(-2052 // 16)) // 16)  # 2048 prompt + 4 output tokens -> 129 rows -> 9 blocks
+    assert long <= (8 + 1 + summary_blocks) * block_bytes  # working set + summaries, nothing else
+
+
+def test_dense_resident_bytes_grow_with_context(tiny):
+    short, long = (_resident(tiny, ctx) for ctx in (1024, 2048))
+    assert long > 1.9 * short
+
+
+def test_gqa_aggregation_keeps_a_block_one_head_needs():
+    """Group max: a block only one query head of the group rates highly is still selected."""
+    torch.manual_seed(0)
+    hkv, g, d, bs = 1, 3, 8, 8
+    nblocks = 6
+    sum_max = torch.zeros(2, bs, hkv, d)
+    sum_max[0, :nblocks, 0, :] = 0.1
+    sum_max[0, 5, 0, :] = 0.0
+    sum_max[0, 5, 0, 0] = 10.0  # block 5's keys point along dimension 0 only
+    sum_min = sum_max.clone()
+    q = torch.ones(1, hkv * g, d)
+    q[0, :, 0] = -5.0
+    q[0, 1, :] = -1.0
+    q[0, 1, 0] = 5.0  # only query head 1 looks along dimension 0
+    scores = quest_scores_ref(q, sum_min, sum_max, torch.tensor([[0, 1]]), torch.tensor([nblocks]), hkv)
+    top1 = int(scores[0, 0].argmax())
+    assert top1 == 5
+    mean_rank = torch.stack([  # a mean over heads would not pick it
+        torch.maximum(q[0, h][None] * sum_min[0, :nblocks, 0], q[0, h][None] * sum_max[0, :nblocks, 0]).sum(-1)
+        for h in range(g)]).mean(0)
+    assert int(mean_rank.argmax()) != 5
+
+
+def test_recall_and_traffic_metrics_with_small_budget(tiny):
+    llm = LLM(tiny, mode="proxy-prefetch", top_k_blocks=4, block_size=4, measure_recall=True, fetch_ratio=0.25)
+    outs = llm.generate(PROMPTS[:3], GREEDY)
+    st = llm.engine.run_stats()
+    assert 0.0 < st["prediction_recall"] <= 1.0
+    assert len(st["recall_per_layer"]) == 5
+    cap = 1  # ceil(0.25 * 4)
+    decode_steps = 40
+    # Algorithm 2 admits at most `cap` blocks per (request, layer, head) and step.
+    assert st["fetched_blocks_per_step"] <= cap * 3 * 5 * 3
+    assert st["deferred_blocks_per_step"] > 0
+    assert all(o.metrics["fetched_bytes"] > 0 for o in outs)
+    assert decode_steps == len(outs[0].token_ids)
