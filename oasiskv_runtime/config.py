@@ -198,6 +198,9 @@ class SparseConfig:
     """Compute per-layer recall of the predicted top-K against the true next query's top-K."""
     fetch_on_demand_cap: bool = False
     """Apply the fetch cap in fetch-on-demand mode too (default: fetch every missing block, as retrieval does)."""
+    disable_transfers: bool = False
+    """Benchmark only: run prediction and selection but skip the host->device copies (an all-resident upper
+    bound on step time; attention then reads stale slots, so outputs are meaningless)."""
     kernels: str = "auto"
     """'auto' (GPU kernels on CUDA, references on CPU), 'ref' (plain PyTorch everywhere), 'gpu'."""
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv_runtime.attention.metadata import StepMetadata
-from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.attention.ref import attend, causal_allowed
 
 
 class PagedKVCache:
@@ -55,17 +55,51 @@ class DenseAttention:
     def begin_step(self, meta: StepMetadata) -> None:
         self.meta = meta
         self._write_rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
+        self._paged = None
+        if meta.input_ids.is_cuda:
+            # On CUDA, decode rows of all requests go through one paged attention launch (the sparse kernel
+            # with every block listed), prefill rows through SDPA.
+            decode = [s for s in meta.seqs if s.num_query == 1 and s.context_len > 1 and s.draft_row is None]
+            if decode:
+                self._paged = self._paged_batch(decode, meta.input_ids.device)
+            self._per_seq = [s for s in meta.seqs if s not in decode]
+        else:
+            self._per_seq = meta.seqs
+
+    def _paged_batch(self, decode: list[SeqSlice], device: torch.device) -> tuple:
+        bs = self.cache.block_size
+        n = max((s.context_len - 1) // bs for s in decode)
+        full = [s.block_table[: (s.context_len - 1) // bs] for s in decode]
+        ids = torch.tensor([f + [-1] * (n - len(f)) for f in full] if n else [[-1] for _ in decode],
+                           dtype=torch.int32, device=device)
+        hkv = self.cache.k[0].shape[2]
+        local = torch.tensor([s.block_table[(s.context_len - 1) // bs] for s in decode], dtype=torch.int32,
+                             device=device)
+        local_len = torch.tensor([(s.context_len - 1) % bs + 1 for s in decode], dtype=torch.int32, device=device)
+        rows = torch.tensor([s.query_start for s in decode], device=device)
+        return rows, ids[:, None, :].expand(-1, hkv, -1).contiguous(), local, local_len
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         rows = self._write_rows
         self.cache.write(layer_idx, meta.slot_mapping[rows], k[rows], v[rows])
         out = torch.empty_like(q)
-        for s in meta.seqs:
+        for s in self._per_seq:
             qs = slice(s.query_start, s.query_start + s.num_query)
             ks, vs = self.cache.gather(layer_idx, s.block_table, s.context_len)
             allowed = causal_allowed(s.num_query, s.context_len, q.device) if s.num_query > 1 else None
-            out[qs] = attend_ref(q[qs], ks, vs, self.scale, allowed)
+            out[qs] = attend(q[qs], ks, vs, self.scale, allowed)
+            if s.draft_row is not None:  # a look-ahead row in a dense layer sees the context and itself
+                d = s.draft_row
+                out[d:d + 1] = attend(q[d:d + 1], torch.cat([ks, k[d:d + 1]]), torch.cat([vs, v[d:d + 1]]),
+                                      self.scale)
+        if self._paged is not None:
+            from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
+
+            r, ids, local, local_len = self._paged
+            res = sparse_decode_attention(q[r][:, None], self.cache.k[layer_idx], self.cache.v[layer_idx], ids,
+                                          local, local_len, self.scale)
+            out[r] = res[:, 0]
         return out
 
     def end_step(self) -> None:

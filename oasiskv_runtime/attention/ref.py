@@ -30,3 +30,22 @@ def causal_allowed(num_queries: int, context_len: int, device: torch.device) -> 
     """The last ``num_queries`` tokens of a ``context_len`` sequence attend causally: [nq, nk] bool."""
     q_pos = torch.arange(context_len - num_queries, context_len, device=device)
     return torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def attend_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The same contract as :func:`attend_ref` on torch SDPA (used on CUDA, where bit-parity with
+    transformers' CPU float32 is not the goal): q [nq, Hq, D], k/v [nk, Hkv, D]."""
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference arithmetic on CPU (exact parity tests), SDPA on CUDA."""
+    if q.is_cuda:
+        return attend_fast(q, k, v, scale, allowed)
+    return attend_ref(q, k, v, scale, allowed)

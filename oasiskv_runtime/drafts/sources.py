@@ -51,26 +51,40 @@ class _NoObserve:
 
 
 class NgramDraft(_NoObserve):
+    """Prompt lookup with an incremental n-gram index per request: O(max_n) work per new token."""
+
     def __init__(self, max_n: int = 3) -> None:
         self.name = f"ngram:{max_n}"
         self.max_n = max_n
+        self.index: dict[int, tuple[int, dict[tuple[int, ...], int]]] = {}
 
-    def propose_one(self, tokens: list[int]) -> int | None:
+    def propose_one(self, tokens: list[int], state: tuple[int, dict] | None = None) -> int | None:
         """The token that followed the most recent earlier occurrence of the longest matching suffix."""
+        done, table = state if state is not None else (1, {})
+        # An n-gram ending at i-1 gets "next token at i" once token i exists; later occurrences overwrite
+        # earlier ones, so the table always holds the most recent occurrence.
+        for i in range(max(done, 1), len(tokens)):
+            for n in range(1, self.max_n + 1):
+                if i - n >= 0:
+                    table[tuple(tokens[i - n:i])] = i
+        self._last_state = (len(tokens), table)
         for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    return tokens[start + n]
+            nxt = table.get(tuple(tokens[-n:]))
+            if nxt is not None:
+                return tokens[nxt]
         return None
 
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
         out = {}
         for s in seqs:
-            t = self.propose_one(s.all_token_ids)
+            t = self.propose_one(s.all_token_ids, self.index.get(s.seq_id))
+            self.index[s.seq_id] = self._last_state
             if t is not None:
                 out[s.seq_id] = t
         return out
+
+    def free(self, seq_id: int) -> None:
+        self.index.pop(seq_id, None)
 
 
 class OracleDraft(_NoObserve):

@@ -98,7 +98,7 @@ class KVCacheManager:
                 need_device -= n_ws
         if self.mode.is_sparse:
             n_sum = cdiv(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size), self.block_size)
-            n_sum -= len(rb.summary_blocks)
+            n_sum = max(0, n_sum - len(rb.summary_blocks))
             rb.summary_blocks += self.device_pool.allocate(n_sum)
             need_device -= n_sum
         if not self.mode.uses_host_pool:

@@ -44,11 +44,16 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, preloaded: tuple | None = None) -> None:
+        """preloaded: (model, tokenizer, model_config) from another engine with the same model, device and
+        dtype: benchmarks compare modes on one copy of the weights."""
         self.config = config
         torch.manual_seed(config.seed)
-        self.model, self.tokenizer, self.model_config = load_model(config.model, config.device, config.dtype,
-                                                                   config.seed)
+        if preloaded is not None:
+            self.model, self.tokenizer, self.model_config = preloaded
+        else:
+            self.model, self.tokenizer, self.model_config = load_model(config.model, config.device, config.dtype,
+                                                                       config.seed)
         mc = self.model_config
         self.dtype = DTYPES[config.dtype]
         elem = torch.tensor([], dtype=self.dtype).element_size()

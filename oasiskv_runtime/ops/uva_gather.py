@@ -73,6 +73,11 @@ def _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads):
 def uva_gather_ref(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads) -> None:
     """Reference: gather on the source device, one bulk transfer, index_copy_ on the target."""
     n = _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
+    keep = src_blocks >= 0  # entries with src = -1 are unused slots of a fixed-size plan
+    if not bool(keep.all()):
+        src_blocks, dst_blocks, heads = src_blocks[keep], dst_blocks[keep.to(dst_blocks.device)], \
+            heads[keep.to(heads.device)]
+        n = int(src_blocks.numel())
     if n == 0:
         return
     _, BS, H, D = host_k.shape
@@ -124,13 +129,16 @@ def _kernels():
         src = tl.load(SRC + i).to(tl.int64)
         dst = tl.load(DST + i).to(tl.int64)
         hd = tl.load(HEADS + i).to(tl.int64)
+        valid = src >= 0  # fixed-size plans mark unused entries with src = -1 (no host sync to compact)
+        src = tl.maximum(src, 0)
+        dst = tl.maximum(dst, 0)
         r = tl.arange(0, ROWS)
         d = tl.arange(0, D_PAD)
         s_base = src * hs_b + hd * hs_h
         d_base = dst * ds_b + hd * ds_h
         for r0 in range(0, BS, ROWS):
             rr = r0 + r
-            m = (rr < BS)[:, None] & (d < D)[None, :]
+            m = (rr < BS)[:, None] & (d < D)[None, :] & valid
             s_off = s_base + (rr * hs_t)[:, None] + d[None, :]
             d_off = d_base + (rr * ds_t)[:, None] + d[None, :]
             if which == 0:
@@ -140,8 +148,19 @@ def _kernels():
                 x = tl.load(HV + s_off, mask=m)
                 tl.store(DV + d_off, x, mask=m)
 
+    @triton.jit
+    def _uva_scatter_kernel(SRC_K, SRC_V, HK, HV, SRC_ROWS, DST_ROWS, W: tl.constexpr, W_PAD: tl.constexpr):
+        # One token row ([Hkv * D] contiguous) per program: device -> pinned host, written over UVA.
+        i = tl.program_id(0)
+        s = tl.load(SRC_ROWS + i).to(tl.int64)
+        d = tl.load(DST_ROWS + i).to(tl.int64)
+        c = tl.arange(0, W_PAD)
+        m = c < W
+        tl.store(HK + d * W + c, tl.load(SRC_K + s * W + c, mask=m), mask=m)
+        tl.store(HV + d * W + c, tl.load(SRC_V + s * W + c, mask=m), mask=m)
+
     from types import SimpleNamespace
-    _KERNELS = SimpleNamespace(gather=_uva_gather_kernel)
+    _KERNELS = SimpleNamespace(gather=_uva_gather_kernel, scatter=_uva_scatter_kernel)
     return _KERNELS
 
 
@@ -286,3 +305,32 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                 raise
             err = e
     raise RuntimeError(f"uva_gather: no backend could run ({err})")
+
+
+def uva_scatter_rows_ref(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
+                         dst_rows: torch.Tensor) -> None:
+    """Reference: ``host.view(-1, Hkv, D)[dst_rows[i]] = k[i]`` for K and V (any devices)."""
+    h, d = host_k.shape[-2], host_k.shape[-1]
+    rows = dst_rows.to(host_k.device, torch.int64)
+    host_k.view(-1, h, d).index_copy_(0, rows, k.to(host_k.device, host_k.dtype))
+    host_v.view(-1, h, d).index_copy_(0, rows, v.to(host_v.device, host_v.dtype))
+
+
+def uva_scatter_rows(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
+                     dst_rows: torch.Tensor) -> None:
+    """Write token rows ``k, v: [n, Hkv, D]`` (CUDA) into a pinned host pool viewed as ``[rows, Hkv, D]`` with
+    one kernel launch and no host synchronisation (the GPU writes over UVA). Falls back to the reference
+    for CPU tensors."""
+    n = k.shape[0]
+    if n == 0:
+        return
+    if not k.is_cuda or host_k.is_cuda or not host_k.is_pinned() or not _triton_available():
+        uva_scatter_rows_ref(k, v, host_k, host_v, dst_rows)
+        return
+    kk, vv = k.contiguous(), v.contiguous()
+    w = kk.shape[1] * kk.shape[2]
+    src = torch.arange(n, device=k.device)
+    K = _kernels()
+    with torch.cuda.device(k.device):
+        K.scatter[(n,)](kk, vv, _MappedPtr(host_k), _MappedPtr(host_v), src, _index(dst_rows, k.device),
+                        W=w, W_PAD=_next_pow2(w), num_warps=4)

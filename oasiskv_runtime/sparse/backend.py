@@ -24,12 +24,13 @@ import torch
 
 from oasiskv_runtime.attention.dense import PagedKVCache
 from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
-from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+from oasiskv_runtime.attention.ref import attend, causal_allowed
 from oasiskv_runtime.config import Mode, SparseConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
-from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk
+from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.ops.summary_update import update_summaries
+from oasiskv_runtime.ops.uva_gather import uva_gather, uva_scatter_rows
 from oasiskv_runtime.sparse.selector_torch import select_batched
 from oasiskv_runtime.sparse.stats import SparseStats
 from oasiskv_runtime.transfer.engine import SyncTransferEngine, TransferPlan
@@ -57,6 +58,8 @@ class DecodeBatch:
     primary_table: torch.Tensor    # [B, NB] logical -> device block (sparse-resident) or host block
     slot_blocks: torch.Tensor | None  # [B, K] device block of each working-set slot (host-pool modes)
     local_rows: torch.Tensor | None   # [B] flat device row of this step's token in the local block
+    max_candidates: int = 0           # host-side maxima, so kernels never read them back from the device
+    max_next_candidates: int = 0
 
 
 class SparseAttention:
@@ -79,6 +82,17 @@ class SparseAttention:
             """Per-head mapping (SPEC item 5): logical block held by each working-set slot, -1 empty."""
             self.last_sel = torch.full(shape, -1, dtype=torch.long, device=device)
             self.transfer = SyncTransferEngine(host_cache.k, host_cache.v, device_cache.k, device_cache.v)
+        # The asynchronous pipeline (SPEC item 3) runs on CUDA with the kernels: prediction, selection and
+        # transfer of layer l go to three background streams ordered by events; step t+1's layer l waits only
+        # for step t's layer-l transfer event. Counters stay on the device: no host round trip per layer.
+        self.async_pipeline = bool(mode.uses_host_pool and self.use_kernels and device.type == "cuda")
+        if self.async_pipeline:
+            self.streams = [torch.cuda.Stream(device) for _ in range(3)]
+            self.xfer_done: list[torch.cuda.Event | None] = [None] * num_layers
+            self.dev_fetched = torch.zeros(num_layers, dtype=torch.long, device=device)
+            self.dev_deferred = torch.zeros(num_layers, dtype=torch.long, device=device)
+            self.dev_initial = torch.zeros((), dtype=torch.long, device=device)
+            self.dev_req_fetched = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_rows))
         self.ready: set[int] = set()
@@ -97,6 +111,9 @@ class SparseAttention:
         row = self.rows.pop(seq_id, None)
         if row is None:
             return
+        if getattr(self, "async_pipeline", False):
+            self.stats.per_request[seq_id]["fetched_blocks"] += int(self.dev_req_fetched[row])
+            self.dev_req_fetched[row] = 0
         self.ready.discard(seq_id)
         if self.mode.uses_host_pool:
             self.slot_map[row] = -1
@@ -106,10 +123,18 @@ class SparseAttention:
     # ---- per step ---------------------------------------------------------------------------------
     def begin_step(self, meta: StepMetadata) -> None:
         self.meta = meta
+        if getattr(self, "async_pipeline", False):
+            # Last step's batch tensors are about to be freed and their memory reused on this stream: order
+            # this stream after every background job that read them (a GPU-side wait, not a host sync).
+            cur = torch.cuda.current_stream(self.device)
+            for ev in self.xfer_done:
+                if ev is not None:
+                    cur.wait_event(ev)
         dev, bs = self.device, self.bs
         written = (meta.slot_mapping >= 0).nonzero().squeeze(1)
         self._written = written
         self._sum_rows, self._reset = self._summary_rows(meta, written)
+        self._distinct_rows = all(s.num_query == 1 for s in meta.seqs)  # decode: one token per summary row
         decode = [s for s in meta.seqs if s.num_query == 1 and s.seq_id in self.ready]
         self._decode_ids = {s.seq_id for s in decode}
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
@@ -159,17 +184,25 @@ class SparseAttention:
             primary_table=_pad([s.block_table for s in decode], 0, dev),
             slot_blocks=t(slot_blocks) if host else None,
             local_rows=t(local_rows) if host else None,
+            max_candidates=max(p // bs for p in pos),
+            max_next_candidates=max((p + 1) // bs for p in pos),
         )
 
     # ---- the layer --------------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, w = self.meta, self._written
-        self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), k[w], v[w])
+        if self.mode.uses_host_pool and k.is_cuda:
+            uva_scatter_rows(k[w], v[w], self.host_cache.k[layer], self.host_cache.v[layer], meta.slot_mapping[w])
+        else:
+            self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), k[w], v[w])
         b = self.batch
+        if getattr(self, "async_pipeline", False) and self.xfer_done[layer] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.xfer_done[layer])  # layer-local sync
         if b is not None and b.local_rows is not None:
             self.dev_cache.write(layer, b.local_rows, k[b.q_rows], v[b.q_rows])
-        if w.numel():
-            update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer])
+        if self._sum_rows.numel():
+            update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer],
+                             assume_distinct=self._distinct_rows)
         out = torch.empty_like(q)
         dense_layer = layer in self.dense_layers
         for s in self._prefill + (b.slices if (b is not None and dense_layer) else []):
@@ -185,26 +218,32 @@ class SparseAttention:
     def _dense_seq(self, layer: int, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor) -> None:
         """Causal attention over the full context from the primary store (prefill, and dense layers)."""
+        if q.is_cuda and self.mode.uses_host_pool:
+            torch.cuda.current_stream(self.device).synchronize()  # UVA writes must land before the CPU reads
         ks, vs = self.primary.gather(layer, s.block_table, s.context_len)
         ks, vs = ks.to(q.device), vs.to(q.device)
         rows = slice(s.query_start, s.query_start + s.num_query)
         allowed = causal_allowed(s.num_query, s.context_len, q.device) if s.num_query > 1 else None
-        out[rows] = attend_ref(q[rows], ks, vs, self.scale, allowed)
+        out[rows] = attend(q[rows], ks, vs, self.scale, allowed)
         if s.draft_row is not None:
             d = s.draft_row
             kd, vd = torch.cat([ks, k[d:d + 1]]), torch.cat([vs, v[d:d + 1]])
-            out[d:d + 1] = attend_ref(q[d:d + 1], kd, vd, self.scale)
+            out[d:d + 1] = attend(q[d:d + 1], kd, vd, self.scale)
 
-    def _predict(self, layer: int, query: torch.Tensor, b: DecodeBatch, num_candidates: torch.Tensor) -> torch.Tensor:
+    def _predict(self, layer: int, query: torch.Tensor, b: DecodeBatch, num_candidates: torch.Tensor,
+                 max_candidates: int | None = None) -> torch.Tensor:
         """Top-K logical blocks per KV head [B, Hkv, K] (-1 padded) from the summaries."""
         sum_min, sum_max = self.dev_cache.k[layer], self.dev_cache.v[layer]
-        args = (query, sum_min, sum_max, b.summary_table, num_candidates, self.hkv)
+        if max_candidates is None:
+            max_candidates = b.max_next_candidates if num_candidates is b.next_candidates else b.max_candidates
+        args = (query, sum_min, sum_max, b.summary_table, num_candidates, self.hkv, max_candidates)
         scores = quest_scores(*args) if self.use_kernels else quest_scores_ref(*args)
         if self.cfg.sink_blocks and scores.shape[-1]:
             sink = min(self.cfg.sink_blocks, scores.shape[-1])
             head = scores[..., :sink]
             scores[..., :sink] = torch.where(torch.isinf(head), head, torch.full_like(head, float("inf")))
-        ids, _ = select_topk(scores, num_candidates, self.k_slots)
+        rank = select_topk_triton if (self.use_kernels and scores.is_cuda) else select_topk
+        ids, _ = rank(scores, num_candidates, self.k_slots)
         return ids.long()
 
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -230,31 +269,86 @@ class SparseAttention:
                                       k[b.draft_rows], v[b.draft_rows],
                                       backend="auto" if self.use_kernels else "ref")
         out[b.q_rows] = res[:, 0]
-        out[b.draft_rows[b.has_draft]] = res[:, 1][b.has_draft]
+        # Requests without a draft have draft_rows == q_rows: write their normal output again rather than
+        # boolean-index (which would synchronise with the host).
+        rows = torch.where(b.has_draft, b.draft_rows, b.q_rows)
+        out[rows] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0])
+
+    def _select(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int):
+        """Algorithm 2 on every (request, head) row of this layer; rewrites the per-head map."""
+        rows, n, kk = b.state_rows, b.state_rows.numel(), self.k_slots
+        smap, lsel = self.slot_map[rows, layer], self.last_sel[rows, layer]
+        plan = select_batched(smap.reshape(-1, kk), lsel.reshape(-1, kk), pred.reshape(-1, kk), cap,
+                              self.meta.step)
+        self.slot_map[rows, layer] = plan.new_slot_blocks.view(n, self.hkv, kk)
+        self.last_sel[rows, layer] = plan.new_last_selected.view(n, self.hkv, kk)
+        return plan
+
+    def _transfer_async(self, layer: int, b: DecodeBatch, plan, initial: bool, cap: int) -> None:
+        """One UVA gather for the layer from a fixed-size plan (at most ``cap`` copies per row), so no
+        host round trip is needed to compact the admitted slots."""
+        n, kk, h = b.state_rows.numel(), self.k_slots, self.hkv
+        admit = plan.admit_mask.view(n, h, kk)
+        c = max(1, min(kk, cap))
+        val, idx = torch.topk(admit.to(torch.int32), c, dim=-1)                   # [n, h, c]
+        valid = val > 0
+        logical = plan.new_slot_blocks.view(n, h, kk).gather(2, idx).clamp_min(0)
+        bidx = torch.arange(n, device=idx.device)[:, None, None].expand_as(idx)
+        hidx = torch.arange(h, device=idx.device)[None, :, None].expand_as(idx)
+        src = torch.where(valid, b.primary_table[bidx, logical], torch.full_like(logical, -1))
+        dst = b.slot_blocks[bidx, idx]
+        if not self.cfg.disable_transfers:
+            uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
+                       self.dev_cache.v[layer], src.flatten(), dst.flatten(), hidx.flatten())
+        count = valid.sum((1, 2))
+        if initial:
+            self.dev_initial += count.sum()
+        else:
+            self.dev_fetched[layer] += count.sum()
+            self.dev_deferred[layer] += plan.num_deferred.sum()
+            self.dev_req_fetched.index_add_(0, b.state_rows, count)
 
     def _select_and_fetch(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int,
                           initial: bool = False) -> None:
         """Algorithm 2 on every (request, head) row of this layer, then one batched transfer."""
+        plan = self._select(layer, b, pred, cap)
+        if self.async_pipeline:
+            self._transfer_async(layer, b, plan, initial, cap)
+            return
         rows, slot_blocks, primary = b.state_rows, b.slot_blocks, b.primary_table
         n, kk = rows.numel(), self.k_slots
-        smap, lsel = self.slot_map[rows, layer], self.last_sel[rows, layer]
-        plan = select_batched(smap.reshape(-1, kk), lsel.reshape(-1, kk), pred.reshape(-1, kk), cap,
-                              self.meta.step)
         new_map = plan.new_slot_blocks.view(n, self.hkv, kk)
-        self.slot_map[rows, layer] = new_map
-        self.last_sel[rows, layer] = plan.new_last_selected.view(n, self.hkv, kk)
         bi, hi, si = plan.admit_mask.view(n, self.hkv, kk).nonzero(as_tuple=True)
         logical = new_map[bi, hi, si]
-        self.transfer.submit(TransferPlan(layer, primary[bi, logical], slot_blocks[bi, si], hi))
+        if not self.cfg.disable_transfers:
+            self.transfer.submit(TransferPlan(layer, primary[bi, logical], slot_blocks[bi, si], hi))
         per_request = torch.bincount(bi, minlength=n).tolist()
         self.stats.add_transfer(layer, [s.seq_id for s in b.slices], per_request,
                                 plan.num_deferred.view(n, self.hkv).sum(1).tolist(), initial)
 
     def _prefetch(self, layer: int, b: DecodeBatch, pred_q: torch.Tensor) -> None:
-        pred = self._predict(layer, pred_q, b, b.next_candidates)
-        if self.cfg.measure_recall:
-            self.pending_pred[layer] = (b.state_rows.clone(), pred)
-        self._select_and_fetch(layer, b, pred, self.cfg.fetch_cap)
+        if not self.async_pipeline:
+            pred = self._predict(layer, pred_q, b, b.next_candidates)
+            if self.cfg.measure_recall:
+                self.pending_pred[layer] = (b.state_rows.clone(), pred)
+            self._select_and_fetch(layer, b, pred, self.cfg.fetch_cap)
+            return
+        # predict -> select -> transfer on three streams; the transfer also waits for this layer's attention,
+        # which still reads the slots it is about to overwrite.
+        s_pred, s_sel, s_xfer = self.streams
+        attn_done = torch.cuda.current_stream(self.device).record_event()
+        s_pred.wait_event(attn_done)
+        with torch.cuda.stream(s_pred):
+            pred = self._predict(layer, pred_q, b, b.next_candidates)
+            if self.cfg.measure_recall:
+                self.pending_pred[layer] = (b.state_rows.clone(), pred)
+        s_sel.wait_stream(s_pred)
+        with torch.cuda.stream(s_sel):
+            plan = self._select(layer, b, pred, self.cfg.fetch_cap)
+        s_xfer.wait_stream(s_sel)
+        with torch.cuda.stream(s_xfer):
+            self._transfer_async(layer, b, plan, initial=False, cap=self.cfg.fetch_cap)
+            self.xfer_done[layer] = s_xfer.record_event()
 
     def _record_recall(self, layer: int, b: DecodeBatch, q_true: torch.Tensor) -> None:
         """Recall of last step's prediction for this layer against the true query's top-K (SPEC item 1)."""
@@ -290,11 +384,13 @@ class SparseAttention:
             summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in done], 0, self.device),
             primary_table=_pad([s.block_table for s in done], 0, self.device),
             slot_blocks=torch.tensor([w[1:] for w in ws], dtype=torch.long, device=self.device), local_rows=None)
-        pred = self._predict(layer, q[qi], fake, fake.next_candidates)
+        pred = self._predict(layer, q[qi], fake, fake.next_candidates, max(s.context_len // bs for s in done))
         self.slot_map[rows, layer] = -1
         self.last_sel[rows, layer] = -1
         self._select_and_fetch(layer, fake, pred, self.k_slots, initial=True)
         # The active block's earlier tokens (the prompt's tail) go into the local slot.
+        if q.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
         for s, w in zip(done, ws):
             j, used = s.context_len // bs, s.context_len % bs
             if used:
@@ -312,7 +408,18 @@ class SparseAttention:
         self.meta = None
 
     # ---- reporting --------------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        """Zero the traffic and recall counters (benchmarks measure a window of steps)."""
+        self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
+        if self.async_pipeline:
+            for t in (self.dev_fetched, self.dev_deferred, self.dev_initial, self.dev_req_fetched):
+                t.zero_()
+
     def run_stats(self) -> dict:
+        if getattr(self, "async_pipeline", False):
+            self.stats.fetched_by_layer = self.dev_fetched.tolist()
+            self.stats.deferred_by_layer = self.dev_deferred.tolist()
+            self.stats.initial_fill_blocks = int(self.dev_initial)
         return self.stats.run_stats()
 
     def request_metrics(self, seq_id: int) -> dict:

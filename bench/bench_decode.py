@@ -1,0 +1,200 @@
+"""Decode step time at real shapes (random weights), every mode in ONE process on one copy of the weights.
+
+Requests are placed directly in the decode phase (no prefill): their KV state is synthesized. Device KV
+and the host pool hold zeros, the key summaries random values, so predictions move from step to step:
+with random weights attention is near uniform and selections drift far more than with a trained model, a
+worst case for transfer traffic. Host block tables are aliased into one pinned pool (the machine has
+128 GiB of RAM; B=128 x 32K tokens of Qwen3-8B KV would need 576 GiB): the copies are real (random
+4 KiB (block, head) slices over PCIe), only their contents are shared.
+
+    python bench/bench_decode.py --model qwen3-8b --batch 16,64,128 --context 16384,32768 --out decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import torch
+
+from oasiskv_runtime.config import EngineConfig
+from oasiskv_runtime.engine.kv_cache_manager import RequestBlocks, cdiv
+from oasiskv_runtime.engine.llm_engine import LLMEngine
+from oasiskv_runtime.engine.sequence import Sequence, SequenceStatus
+from oasiskv_runtime.sampling_params import SamplingParams
+
+GiB = 1 << 30
+MODES = ["dense", "sparse-resident", "fetch-on-demand", "oasiskv", "oasiskv-no-transfer"]
+
+
+def build(model: str, mode: str, preloaded, args) -> LLMEngine:
+    real_mode = "oasiskv" if mode == "oasiskv-no-transfer" else mode
+    cfg = EngineConfig.from_overrides(model, device="cuda", dtype="bfloat16", mode=real_mode,
+                                      kv_cache_gb=args.kv_gb, host_kv_bytes=int(args.host_gb * GiB),
+                                      top_k_blocks=args.top_k, fetch_ratio=args.fetch_ratio,
+                                      max_num_seqs=max(args.batch_list), draft="ngram",
+                                      disable_transfers=mode == "oasiskv-no-transfer")
+    return LLMEngine(cfg, preloaded=preloaded)
+
+
+def place_requests(eng: LLMEngine, batch: int, ctx: int, gen: torch.Generator) -> list[Sequence]:
+    """Put ``batch`` requests of ``ctx`` tokens straight into decode; raises MemoryError when they do not fit."""
+    kv, bs, mode = eng.kv, eng.config.cache.block_size, eng.config.mode
+    be = eng.backend
+    seqs = []
+    nb = cdiv(ctx + 64, bs)
+    for i in range(batch):
+        prompt = torch.randint(10, eng.model_config.vocab_size, (ctx - 1,), generator=gen).tolist()
+        seq = Sequence(prompt, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+        seq.output_token_ids = [int(torch.randint(10, 1000, (1,), generator=gen))]
+        seq.num_computed_tokens = ctx - 1
+        seq.status = SequenceStatus.RUNNING
+        rb = RequestBlocks()
+        need_dev = (be.k_slots + 1 if mode.uses_host_pool else nb) + (cdiv(nb, bs) if mode.is_sparse else 0)
+        if need_dev > kv.device_pool.num_free:
+            raise MemoryError(f"{batch} x {ctx} tokens do not fit the device KV budget in mode {mode.value}")
+        if mode.uses_host_pool:
+            rb.ws_blocks = kv.device_pool.allocate(be.k_slots + 1)
+            start = int(torch.randint(0, max(1, kv.host_pool.num_blocks - nb), (1,), generator=gen))
+            rb.host_blocks = [(start + j) % kv.host_pool.num_blocks for j in range(nb)]  # aliased
+        else:
+            rb.device_blocks = kv.device_pool.allocate(nb)
+        if mode.is_sparse:
+            rb.summary_blocks = kv.device_pool.allocate(cdiv(nb, bs))
+        kv.requests[seq.seq_id] = rb
+        eng.scheduler.running.append(seq)
+        seqs.append(seq)
+        if mode.is_sparse:
+            row = be._row(seq.seq_id)
+            be.ready.add(seq.seq_id)
+            if mode.uses_host_pool:
+                full = (ctx - 1) // bs
+                for layer in range(eng.model_config.num_layers):
+                    perm = torch.randperm(full, generator=gen)[: be.k_slots]
+                    be.slot_map[row, layer, :, : perm.numel()] = perm.to(be.slot_map.device)
+    if mode.is_sparse:  # random summaries: predictions change from step to step
+        ids = torch.tensor(sorted({b for s in seqs for b in kv.requests[s.seq_id].summary_blocks}), device="cuda")
+        for layer in range(eng.model_config.num_layers):
+            for t in (eng.backend.dev_cache.k[layer], eng.backend.dev_cache.v[layer]):
+                t[ids] = torch.randn_like(t[ids])
+    return seqs
+
+
+def time_steps(eng: LLMEngine, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def profile_steps(eng: LLMEngine, title: str, path: str, steps: int = 3) -> None:
+    """Where a step's host time goes (the engine is eager: Python and launch overhead show up here)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    with open(path, "a") as f:
+        f.write(f"==== {title}, {steps} steps\n{out.getvalue()}\n")
+
+
+def reset(eng: LLMEngine) -> None:
+    for seq in list(eng.scheduler.running):
+        eng.backend.free_request(seq.seq_id) if hasattr(eng.backend, "free_request") else None
+        rb = eng.kv.requests.pop(seq.seq_id)
+        eng.kv.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
+    eng.scheduler.running.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--batch", default="16,64,128")
+    ap.add_argument("--context", default="16384,32768")
+    ap.add_argument("--top-k", type=int, default=128)
+    ap.add_argument("--fetch-ratio", type=float, default=0.05)
+    ap.add_argument("--sweep", default="0.01,0.05,0.1,0.25,1.0", help="fetch ratios at --sweep-shape")
+    ap.add_argument("--sweep-shape", default="64,16384")
+    ap.add_argument("--kv-gb", type=float, default=100.0)
+    ap.add_argument("--host-gb", type=float, default=40.0)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default="decode.json")
+    ap.add_argument("--profile", default="", help="write a cProfile summary of a few steps per point here")
+    args = ap.parse_args()
+    args.batch_list = [int(x) for x in args.batch.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
+               "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "points": [], "sweep": []}
+    preloaded = None
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    for mode in args.modes.split(","):
+        eng = build(args.model, mode, preloaded, args)
+        preloaded = preloaded or (eng.model, eng.tokenizer, eng.model_config)
+        kv_bytes_per_token = eng.model_config.kv_bytes_per_token(2)
+        for ctx in [int(x) for x in args.context.split(",")]:
+            for batch in args.batch_list:
+                point = {"mode": mode, "batch": batch, "context": ctx}
+                try:
+                    place_requests(eng, batch, ctx, gen)
+                    if hasattr(eng.backend, "reset_counters"):
+                        eng.backend.reset_counters()
+                    ms = time_steps(eng, args.warmup, args.steps)
+                    if args.profile:
+                        profile_steps(eng, f"{mode} B={batch} ctx={ctx} ({ms:.1f} ms/step)", args.profile)
+                    st = eng.run_stats()
+                    steps = args.warmup + args.steps
+                    point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
+                                 fetched_bytes_per_step=st["fetched_bytes_per_step"],
+                                 deferred_blocks_per_step=st["deferred_blocks_per_step"],
+                                 pcie_budget_bytes_per_step=50e9 * ms / 1e3,
+                                 dense_kv_bytes=batch * ctx * kv_bytes_per_token, steps=steps)
+                except (MemoryError, torch.OutOfMemoryError) as e:
+                    point.update(error=str(e).splitlines()[0][:200])
+                reset(eng)
+                torch.cuda.empty_cache()
+                results["points"].append(point)
+                print(json.dumps(point), flush=True)
+                save()
+        if mode == "oasiskv" and args.sweep:
+            batch, ctx = (int(x) for x in args.sweep_shape.split(","))
+            for ratio in [float(x) for x in args.sweep.split(",")]:
+                eng.backend.cfg = replace(eng.backend.cfg, fetch_ratio=ratio)
+                place_requests(eng, batch, ctx, gen)
+                eng.backend.reset_counters()
+                ms = time_steps(eng, args.warmup, args.steps)
+                st = eng.run_stats()
+                point = {"fetch_ratio": ratio, "cap": eng.backend.cfg.fetch_cap, "batch": batch, "context": ctx,
+                         "step_ms": ms, "tokens_per_s": batch * 1e3 / ms,
+                         "fetched_bytes_per_step": st["fetched_bytes_per_step"],
+                         "fetch_gb_per_s": st["fetched_bytes_per_step"] / (ms / 1e3) / 1e9}
+                reset(eng)
+                results["sweep"].append(point)
+                print(json.dumps(point), flush=True)
+                save()
+            eng.backend.cfg = replace(eng.backend.cfg, fetch_ratio=args.fetch_ratio)
+        del eng
+        torch.cuda.empty_cache()
+    save()
+
+
+if __name__ == "__main__":
+    main()
