@@ -1,0 +1,78 @@
+"""Draft sources: n-gram lookup, a small model, layer-skip, an EAGLE-3 head and the oracle, in the engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from oasiskv_runtime import LLM, SamplingParams
+from oasiskv_runtime.drafts.eagle3 import Eagle3Config, Eagle3Head
+from oasiskv_runtime.drafts.sources import NgramDraft
+from tests.tiny_models import write_tiny
+
+PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 6, list(range(40, 40 + 53))]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def brute_ngram(tokens: list[int], max_n: int = 3) -> int | None:
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n]
+    return None
+
+
+def test_ngram_incremental_index_equals_brute_force():
+    rng = random.Random(0)
+    d = NgramDraft()
+    for _ in range(200):
+        toks = [rng.randrange(5) for _ in range(rng.randrange(1, 40))]
+        state = None
+        for n in range(1, len(toks) + 1):
+            assert d.propose_one(toks[:n], state) == brute_ngram(toks[:n])
+            state = d._last_state
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny(tmp_path_factory.mktemp("drafts"), "llama"))
+
+
+@pytest.fixture(scope="module")
+def dense(tiny):
+    return [o.token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
+
+
+def test_model_draft_of_itself_is_always_right(tiny, dense):
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=f"model:{tiny}")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense
+    assert llm.engine.run_stats()["draft_accuracy"] == 1.0
+
+
+def test_eagle3_head_drafts_in_the_engine(tiny, dense, tmp_path):
+    torch.manual_seed(0)
+    cfg = Eagle3Config.from_dict({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 144,
+        "intermediate_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 48,
+        "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 397,
+        "draft_vocab_size": 61, "tie_word_embeddings": False}, num_target_layers=5)
+    head = Eagle3Head(cfg, own_embedding=True)
+    head.set_vocab_mapping(torch.randperm(397)[:61].sort().values)
+    head.save_pretrained(tmp_path / "head")
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=f"eagle3:{tmp_path / 'head'}")
+    assert llm.engine.runner.capture_layers == (1, 1, 1)  # HF hidden_states[2] = output of layer 1, for [2, 5//2, 5-3]
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == dense  # a draft only steers selection while acceptance is off
+    st = llm.engine.run_stats()
+    assert st["draft_accuracy"] is not None  # the head proposed every decode step
+
+
+def test_unknown_draft_and_oracle_without_truth(tiny):
+    with pytest.raises(ValueError, match="unknown draft source"):
+        LLM(tiny, mode="oasiskv", draft="telepathy")
+    with pytest.raises(ValueError, match="oracle draft needs the true continuation"):
+        LLM(tiny, mode="oasiskv", draft="oracle").generate(PROMPTS[:1], GREEDY)
+    with pytest.raises(ValueError, match="layerskip"):
+        LLM(tiny, mode="oasiskv", draft="layerskip:9")
