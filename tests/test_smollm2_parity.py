@@ -33,3 +33,13 @@ def test_smollm2_gguf_greedy_matches_transformers():
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     assert "Paris" in tok.decode(expected[0])
+
+
+@pytest.mark.skipif(SMOLLM2.path() is None, reason=f"needs {SMOLLM2.install}")
+def test_smollm2_sparse_modes_with_covering_budget_equal_dense():
+    prompts = [list(range(1000, 1090)), [504, 2988, 314] * 20]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    dense = [o.token_ids for o in LLM("smollm2-135m").generate(prompts, params)]
+    for mode in ("sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
+        llm = LLM("smollm2-135m", mode=mode, top_k_blocks=16)  # 16 blocks of 16 cover the 106-token contexts
+        assert [o.token_ids for o in llm.generate(prompts, params)] == dense, mode

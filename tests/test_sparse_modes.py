@@ -162,3 +162,25 @@ def test_recall_and_traffic_metrics_with_small_budget(tiny):
     assert st["deferred_blocks_per_step"] > 0
     assert all(o.metrics["fetched_bytes"] > 0 for o in outs)
     assert decode_steps == len(outs[0].token_ids)
+
+
+@pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
+def test_dense_layers_covering_every_layer_equal_dense(tiny, dense_tokens, mode):
+    """With every layer listed in dense_layers, a tiny budget changes nothing."""
+    llm = LLM(tiny, mode=mode, top_k_blocks=2, block_size=4, dense_layers=list(range(5)))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
+
+
+def test_sink_blocks_always_resident(tiny):
+    llm = LLM(tiny, mode="proxy-prefetch", top_k_blocks=3, block_size=4, sink_blocks=1, fetch_ratio=1.0)
+    eng = llm.engine
+    seq = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    row = eng.backend.rows[seq.seq_id]
+    smap = eng.backend.slot_map[row]                    # [layers, Hkv, K]
+    assert bool((smap == 0).any(-1).all())             # block 0 resident for every layer and head
+    with pytest.raises(ValueError, match="sink_blocks"):
+        LLM(tiny, mode="oasiskv", top_k_blocks=2, sink_blocks=2)
+    with pytest.raises(ValueError, match="dense_layers"):
+        LLM(tiny, mode="oasiskv", dense_layers=[7])
