@@ -1,0 +1,174 @@
+"""``oasisbench throughput`` (a sweep from flags) and ``oasisbench run`` (a sweep from a suite file).
+
+Both write ``<output-dir>/<suite>/<run-id>/`` (metrics.json, config.json, env.json, plots, report.md)
+and print the run directory on the last line. Exit codes: 0 every point completed; 1 some point failed
+while running (e.g. the KV budget cannot hold one request): it is recorded in metrics.json with its
+``error`` and the other points still ran; 2 bad input (unknown mode, malformed suite, missing run dir),
+reported before anything runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
+                                    ModelOpt, SeedOpt, default_device)
+from oasisbench.cli.report import fail
+from oasisbench.results.plots import plots_available, write_plots
+from oasisbench.results.report import render_report
+from oasisbench.results.store import RunStore, atomic_write_text
+
+OutputDirOpt = Annotated[Path, typer.Option("--output-dir", "-o", help="Runs go to <output-dir>/<suite>/<run-id>/.")]
+ResumeOpt = Annotated[Path | None, typer.Option(
+    "--resume", help="Continue this run directory: recorded points are skipped, failed ones retried.",
+    show_default=False)]
+
+
+def _split(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise fail(f"{what}: empty list")
+    return items
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(t) for t in _split(text, what)]
+    except ValueError:
+        raise fail(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise fail(f"{what} values must be positive, got {text!r}")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    from oasiskv_runtime.config import Mode
+
+    known = [m.value for m in Mode]
+    modes = _split(text, "--modes")
+    unknown = [m for m in modes if m not in known]
+    if unknown:
+        raise fail(f"unknown mode(s) {', '.join(unknown)}; choose from: {', '.join(known)}")
+    return modes
+
+
+def open_store(output_dir: Path, suite: str, resume: Path | None) -> RunStore:
+    """A new run under ``output_dir``, or the ``resume`` run directory reopened (exit 2 if unusable)."""
+    try:
+        if resume is None:
+            return RunStore(output_dir, suite)
+        if not (resume / "metrics.json").is_file():
+            raise fail(f"{resume}: not a run directory (no metrics.json); nothing to resume")
+        # The layout is <root>/<suite>/<run-id>: recover all three from the path.
+        return RunStore(resume.parent.parent, resume.parent.name, resume.name)
+    except ValueError as e:
+        raise fail(str(e)) from None
+
+
+def execute(points: list[dict[str, Any]], store: RunStore, gate: Path | None = None) -> None:
+    """Run the sweep with a progress bar, then write plots and report.md; exit 1 if a point failed.
+
+    ``gate``: the suite's baseline file, printed as the command that checks this run against it.
+    """
+    from oasisbench.runners.throughput import run_throughput, summary_table
+
+    console = Console()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=console) as progress:
+            run_throughput(points, store, progress)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    run = store.load()
+    console.print(summary_table(run.records))
+    plots = write_plots(run) if plots_available() else []
+    atomic_write_text(store.path / "report.md", render_report(run))
+    console.print(f"wrote metrics.json, report.md and {len(plots)} plot(s)")
+    failed = [r for r in run.records if r["metrics"].get("error")]
+    for r in failed:
+        console.print(f"[bold red]point failed[/] {escape(r['point']['mode'])} ctx={r['point']['context_len']} "
+                      f"c={r['point']['concurrency']}: {escape(str(r['metrics']['error']))}", soft_wrap=True)
+    if gate is not None:
+        console.print(f"gate it with: oasisbench gate --baseline {gate} {store.path}", markup=False,
+                      highlight=False, soft_wrap=True)
+    # Last line, unadorned: scripts take the run directory from it.
+    console.print(str(store.path), markup=False, highlight=False, soft_wrap=True)
+    if failed:
+        raise typer.Exit(1)
+
+
+def throughput_cmd(
+    model: ModelOpt = DEFAULT_MODEL_NAME,
+    modes: Annotated[str, typer.Option("--modes", help="Comma list of engine modes to compare.")] = "dense,oasiskv",
+    context_len: Annotated[str, typer.Option(
+        "--context-len", help="Comma list of context lengths (prompt + output tokens).")] = "1024",
+    output_len: Annotated[int, typer.Option("--output-len", min=1, help="Tokens generated per request.")] = 16,
+    concurrency: Annotated[str, typer.Option(
+        "--concurrency", help="Comma list: most requests in flight (the engine's max_num_seqs).")] = "1,4",
+    num_requests: Annotated[int | None, typer.Option(
+        "--num-requests", min=1, help="Requests per point, all submitted at t0. Default: the point's "
+        "concurrency (one full batch), which keeps the default sweep to a few minutes on 2 CPU cores.",
+        show_default=False)] = None,
+    kv_cache_gb: KvGbOpt = None,
+    top_k_blocks: Annotated[int | None, typer.Option(
+        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: 128 on CUDA (the "
+        "paper's); 16 on CPU, since the CPU default context of 1K tokens is only 64 blocks and 128 would make "
+        "every sparse mode dense.", show_default=False)] = None,
+    fetch_ratio: FetchRatioOpt = 0.05,
+    draft: DraftOpt = "ngram",
+    device: DeviceOpt = "",
+    dtype: DtypeOpt = "",
+    seed: SeedOpt = 0,
+    measure_recall: Annotated[bool, typer.Option(
+        "--measure-recall/--no-measure-recall", help="Also compute the true next-step top-K each step and "
+        "report prediction_recall (slower).")] = False,
+    output_dir: OutputDirOpt = Path("results"),
+    suite_name: Annotated[str, typer.Option("--suite-name", help="Directory name of the sweep.")] = "throughput",
+    resume: ResumeOpt = None,
+) -> None:
+    """Throughput of each mode over context lengths and concurrencies (random-token prompts, greedy).
+
+    Example: oasisbench throughput --modes dense,oasiskv --context-len 1024 --concurrency 1,4,8
+    """
+    mode_list = _modes(modes)
+    contexts = _ints(context_len, "--context-len")
+    concurrencies = _ints(concurrency, "--concurrency")
+    device = default_device(device)
+    top_k = top_k_blocks if top_k_blocks is not None else (128 if device.startswith("cuda") else 16)
+    common = dict(model=model, output_len=output_len, kv_cache_gb=kv_cache_gb, top_k_blocks=top_k,
+                  fetch_ratio=fetch_ratio, draft=draft, device=device, dtype=dtype or "", seed=seed,
+                  measure_recall=measure_recall)
+    if num_requests is not None:
+        common["num_requests"] = num_requests
+    # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
+    points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
+              for ctx in contexts for c in concurrencies for m in mode_list]
+    execute(points, open_store(output_dir, suite_name, resume))
+
+
+def run_cmd(
+    suite_path: Annotated[Path, typer.Argument(help="Suite YAML, e.g. suites/throughput/ci-smoke.yaml.",
+                                               show_default=False)],
+    output_dir: OutputDirOpt = Path("results"),
+    resume: ResumeOpt = None,
+) -> None:
+    """Run a throughput suite file: every point of its grid, recorded under the suite's name.
+
+    Example: oasisbench run suites/throughput/ci-smoke.yaml --output-dir results
+    """
+    from oasisbench.suites import SuiteError, load_suite
+
+    try:
+        suite = load_suite(suite_path)
+    except SuiteError as e:
+        raise fail(str(e)) from None
+    if suite.kind != "throughput":
+        raise fail(f"{suite_path}: kind {suite.kind!r} is not run here; `oasisbench run` runs throughput suites")
+    store = open_store(output_dir, suite.name, resume)
+    execute(suite.expand(), store, suite.gate)

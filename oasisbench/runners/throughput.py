@@ -1,0 +1,342 @@
+"""The throughput runner: one engine per point, a fixed random-token workload, vLLM-named metrics.
+
+Each point is ``num_requests`` prompts of ``context_len - output_len`` random token ids (seeded, so every
+mode sees the same work), all submitted at t0 with ``max_num_seqs = concurrency`` on the engine: the
+shape of ``vllm bench throughput`` / ``--max-concurrency``. Decoding is greedy with ``ignore_eos`` so
+every request generates exactly ``output_len`` tokens.
+
+Failure policy: a bad *config* (unknown model, fetch_ratio the engine rejects...) raises ``ValueError``
+from :func:`plan_points` before anything runs; a point that fails while *running* (KV budget too small
+for one request, out of memory; or a bug in one mode, whose traceback is printed) is recorded with
+``failed = num_requests`` and an ``error`` string, and the sweep goes on. ``--resume`` skips recorded
+points except failed ones, which are retried.
+
+Example::
+
+    store = RunStore(Path("results"), "throughput")
+    with Progress() as progress:
+        run_throughput([{"mode": "oasiskv", "context_len": 1024, "concurrency": 4}], store, progress)
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from oasisbench.results.schema import Record, order_modes, point_id
+from oasisbench.results.store import RunStore
+
+#: Values a point gets for keys it does not set. ``top_k_blocks``, ``fetch_ratio``, ``block_size``:
+#: SPEC item 7 defaults. ``num_requests`` None means "= concurrency" (one full batch).
+POINT_DEFAULTS: dict[str, Any] = {
+    "model": "smollm2-135m",
+    "output_len": 32,
+    "num_requests": None,
+    "kv_cache_gb": None,
+    "host_kv_gb": None,
+    "top_k_blocks": 128,
+    "fetch_ratio": 0.05,
+    "draft": "ngram",
+    "device": "",
+    "dtype": "",
+    "seed": 0,
+    "block_size": 16,
+    "sink_blocks": 0,
+    "dense_layers": [],
+    "measure_recall": False,
+    "max_num_batched_tokens": 2048,
+}
+#: Point keys that go to the engine as overrides (plus ``max_num_seqs = concurrency``).
+ENGINE_KEYS = ("kv_cache_gb", "top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks",
+               "dense_layers", "measure_recall", "max_num_batched_tokens")
+#: run_stats() counters copied into every record (extra backend counters are copied too).
+RUN_STAT_KEYS = ("max_running_batch", "mean_running_batch", "num_preemptions", "fetched_blocks_per_step",
+                 "fetched_bytes_per_step", "deferred_blocks_per_step", "prediction_recall", "draft_accuracy",
+                 "resident_gpu_bytes_per_request", "peak_device_memory_bytes")
+#: Lowest prompt token id: keeps clear of BOS/EOS/pad and other special ids at the bottom of vocabularies.
+MIN_TOKEN_ID = 10
+#: Expected ways for one point to fail (budget too small for one request, out of memory incl.
+#: torch.cuda.OutOfMemoryError, the engine's "KV budget exhausted" deadlock): recorded quietly. Any other
+#: exception is a bug, but it still fails only its point (hours of sweep are not thrown away for one mode's
+#: crash); its traceback is printed so it is not mistaken for a capacity limit.
+EXPECTED_POINT_ERRORS = (ValueError, MemoryError, RuntimeError)
+
+
+@dataclass(frozen=True)
+class PlannedPoint:
+    """A fully resolved point and the engine config it runs on."""
+
+    point: dict[str, Any]
+    engine: Any
+    """The :class:`~oasiskv_runtime.config.EngineConfig` built from the point."""
+
+    @property
+    def pid(self) -> str:
+        return point_id(self.point)
+
+
+def resolve_point(point: dict[str, Any]) -> dict[str, Any]:
+    """``point`` with every key of :data:`POINT_DEFAULTS` filled in and device/dtype made concrete."""
+    from oasisbench.cli.options import default_device, default_dtype
+
+    out = {**POINT_DEFAULTS, **point}
+    out["device"] = default_device(out["device"])
+    out["dtype"] = default_dtype(out["dtype"], out["device"])
+    if out["num_requests"] is None:
+        out["num_requests"] = out["concurrency"]
+    return out
+
+
+def engine_overrides(point: dict[str, Any]) -> dict[str, Any]:
+    """Engine keyword overrides of a resolved point."""
+    ov = {k: point[k] for k in ENGINE_KEYS if point.get(k) is not None}
+    if point.get("host_kv_gb") is not None:  # the engine takes bytes; GiB reads better in a suite
+        ov["host_kv_bytes"] = int(float(point["host_kv_gb"]) * (1 << 30))
+    if isinstance(ov.get("dense_layers"), int):  # an integer n in a suite means "the first n layers"
+        ov["dense_layers"] = list(range(ov["dense_layers"]))
+    ov["max_num_seqs"] = int(point["concurrency"])
+    return ov
+
+
+def plan_points(points: list[dict[str, Any]]) -> list[PlannedPoint]:
+    """Resolve every point and build its engine config, so config errors stop the sweep before it starts.
+
+    Raises:
+        ValueError: a point is invalid (the message names it), or a model cannot be found.
+    """
+    from oasiskv_runtime.config import EngineConfig
+    from oasiskv_runtime.models.loader import resolve
+
+    planned: list[PlannedPoint] = []
+    for raw in points:
+        p = resolve_point(raw)
+        pid = point_id(p)
+        if p["output_len"] >= p["context_len"]:
+            raise ValueError(f"point {pid}: output_len ({p['output_len']}) must be below context_len "
+                             f"({p['context_len']}): the prompt is context_len - output_len tokens")
+        try:
+            cfg = EngineConfig.from_overrides(p["model"], device=p["device"], dtype=p["dtype"], mode=p["mode"],
+                                              seed=p["seed"], **engine_overrides(p))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"point {pid}: {e}") from None
+        planned.append(PlannedPoint(p, cfg))
+    cuda = [pp.pid for pp in planned if pp.point["device"].startswith("cuda")]
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"point {cuda[0]} needs CUDA, and this machine has no CUDA device "
+                             "(GPU suites run on the GPU machine; use --device cpu here)")
+    for model in sorted({pp.point["model"] for pp in planned}):
+        try:
+            resolve(model)  # name -> file, no weights loaded: a typo fails now, not an hour in
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+    return planned
+
+
+def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random prompts; the same (seed, shape) gives the same ids in every mode and on every machine."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(MIN_TOKEN_ID, vocab_size, size=(num_requests, prompt_len), dtype=np.int64)
+    return ids.tolist()
+
+
+def _stats(prefix: str, values: list[float]) -> dict[str, float | None]:
+    """vLLM bench's mean/median/std/p99 of one latency, in ms; None without samples."""
+    if not values:
+        return {f"{s}_{prefix}_ms": None for s in ("mean", "median", "std", "p99")}
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"mean_{prefix}_ms": float(arr.mean()), f"median_{prefix}_ms": float(np.median(arr)),
+            f"std_{prefix}_ms": float(arr.std()), f"p99_{prefix}_ms": float(np.percentile(arr, 99))}
+
+
+def point_metrics(outputs: list[Any], num_requests: int, duration_s: float, run_stats: dict[str, Any]) -> dict:
+    """Metrics of one finished point from its RequestOutputs and the engine's run_stats()."""
+    done = [o for o in outputs if o.finish_reason is not None]
+    out_tokens = sum(len(o.token_ids) for o in done)
+    in_tokens = sum(len(o.prompt_token_ids) for o in done)
+    m: dict[str, Any] = {
+        "completed": len(done),
+        "failed": num_requests - len(done),
+        "duration": duration_s,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": out_tokens / duration_s,
+        "total_token_throughput": (in_tokens + out_tokens) / duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+    }
+    m.update(_stats("ttft", [o.metrics["ttft_ms"] for o in done if o.metrics.get("ttft_ms") is not None]))
+    m.update(_stats("tpot", [o.metrics["tpot_ms"] for o in done if o.metrics.get("tpot_ms") is not None]))
+    m.update(_stats("itl", [x for o in done for x in o.metrics.get("itl_ms") or []]))
+    m.update({k: v for k, v in run_stats.items() if k != "random_weights"})
+    for key in RUN_STAT_KEYS:
+        m.setdefault(key, None)
+    # Every request is submitted at t0, so the largest running batch is what the KV budget admitted.
+    m["max_admitted_batch"] = m["max_running_batch"]
+    return m
+
+
+class _EngineCache:
+    """Holds at most one LLM: two engines each sizing their KV to free GPU memory would not fit.
+
+    A cached engine is reused only when it can zero its run counters (``LLMEngine.reset_stats()``);
+    otherwise one point's counters would leak into the next, so every point gets a fresh engine.
+    """
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.llm: Any = None
+        self.num_builds = 0
+
+    def get(self, planned: PlannedPoint) -> Any:
+        from oasiskv_runtime import LLM
+
+        key = repr(planned.engine.to_dict())
+        reset = getattr(self.llm.engine, "reset_stats", None) if self.llm is not None else None
+        if key == self.key and callable(reset):
+            reset()
+            return self.llm
+        self.drop()
+        p = planned.point
+        self.llm = LLM(p["model"], device=p["device"], dtype=p["dtype"], mode=p["mode"], seed=p["seed"],
+                       **engine_overrides(p))
+        self.key = key
+        self.num_builds += 1
+        return self.llm
+
+    def drop(self) -> None:
+        """Release the engine (after an OOM, its memory must go back before the next build)."""
+        self.llm, self.key = None, None
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | None = None) -> dict[str, Any]:
+    """Run one point; returns its metrics (with ``error`` set when it failed)."""
+    from oasiskv_runtime import SamplingParams
+
+    p = planned.point
+    n = int(p["num_requests"])
+    task = progress.add_task(f"{p['mode']} ctx={p['context_len']} c={p['concurrency']}", total=n) \
+        if progress is not None else None
+    try:
+        llm = cache.get(planned)
+        prompts = make_prompts(n, p["context_len"] - p["output_len"], llm.engine.model_config.vocab_size, p["seed"])
+        params = SamplingParams(max_tokens=p["output_len"], temperature=0.0, ignore_eos=True, seed=p["seed"])
+        advance = (lambda _out: progress.advance(task)) if progress is not None else None
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, on_finish=advance)
+        duration = time.perf_counter() - t0
+        return point_metrics(outputs, n, duration, llm.engine.run_stats())
+    except Exception as e:  # noqa: BLE001  (see EXPECTED_POINT_ERRORS)
+        cache.drop()  # an engine that failed mid-run may hold half-allocated requests
+        if not isinstance(e, EXPECTED_POINT_ERRORS):
+            Console(stderr=True).print_exception(max_frames=8)
+        if progress is not None and task is not None:
+            progress.update(task, description=f"[red]FAILED[/] {p['mode']} ctx={p['context_len']} "
+                                              f"c={p['concurrency']}")
+        return {"completed": 0, "failed": n, "error": f"{type(e).__name__}: {e}"}
+
+
+def environment(planned: list[PlannedPoint], random_weights: bool | None) -> dict[str, Any]:
+    """``env.json``: where this ran, so two runs can be told apart (and random weights are never hidden)."""
+    import torch
+    import transformers
+
+    devices = sorted({pp.point["device"] for pp in planned})
+    names = []
+    for d in devices:
+        if d.startswith("cuda") and torch.cuda.is_available():
+            names.append(torch.cuda.get_device_name(torch.device(d)))
+        else:
+            names.append(f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    return {
+        "git_commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": ", ".join(names),
+        "model": ", ".join(sorted({pp.point["model"] for pp in planned})),
+        "random_weights": random_weights,
+        "hostname": socket.gethostname(),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _git_commit() -> str | None:
+    """HEAD of the checkout this code runs from, or None outside a git checkout (e.g. a wheel install)."""
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                           text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (r.stdout.strip() or None) if r.returncode == 0 else None
+
+
+def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Progress | None = None) -> None:
+    """Run every point not already recorded in ``store``; write config.json, env.json and metrics.json.
+
+    Raises ``ValueError`` (before running anything) for invalid points; see the module docstring.
+    ``progress`` gets one task per point, advanced per finished request; :func:`summary_table` renders
+    the result.
+    """
+    from oasiskv_runtime.models.presets import preset_names
+
+    planned = plan_points(points)
+    store.write_config({
+        "suite": store.suite,
+        "points": [pp.point for pp in planned],
+        "engines": {pp.pid: pp.engine.to_dict() for pp in planned},
+    })
+    random_weights = any(pp.point["model"] in preset_names() for pp in planned)
+    store.write_env(environment(planned, random_weights))
+    done = {point_id(r["point"]) for r in store.records if not r["metrics"].get("error")}
+    cache = _EngineCache()
+    for pp in planned:
+        if pp.pid in done:
+            continue
+        store.add_record(pp.point, run_point(pp, cache, progress))
+    cache.drop()
+
+
+def summary_table(records: list[Record]) -> Table:
+    """Rich table, one row per point (modes in canonical order, then concurrency); errors are listed by
+    the caller, the table only says FAILED, so it stays narrow enough for an 80-column terminal."""
+    table = Table(title="throughput")
+    # num_requests defaults to the concurrency: a column repeating it would only take width.
+    hidden = {"mode", "concurrency"} | ({"num_requests"} if all(
+        r["point"].get("num_requests") == r["point"]["concurrency"] for r in records) else set())
+    extra = sorted(k for k in {k for r in records for k in r["point"]} - hidden
+                   if len({repr(r["point"].get(k)) for r in records}) > 1)
+    for col in ("mode", "conc", *extra, "tok/s", "req/s", "TPOT ms", "batch", "MiB/step", "recall", "status"):
+        table.add_column(col, justify="left" if col in ("mode", "status") else "right")
+    modes = order_modes({r["point"]["mode"] for r in records})
+
+    def cell(value: Any, fmt: str) -> str:
+        return "–" if value is None else format(value, fmt)
+
+    for r in sorted(records, key=lambda r: (modes.index(r["point"]["mode"]), r["point"]["concurrency"],
+                                            *(repr(r["point"].get(k)) for k in extra))):
+        m = r["metrics"]
+        fetched = m.get("fetched_bytes_per_step")
+        table.add_row(r["point"]["mode"], str(r["point"]["concurrency"]), *(str(r["point"].get(k)) for k in extra),
+                      cell(m.get("output_throughput"), ".1f"), cell(m.get("request_throughput"), ".3f"),
+                      cell(m.get("median_tpot_ms"), ".1f"), cell(m.get("max_running_batch"), "d"),
+                      cell(None if fetched is None else fetched / 2**20, ".3f"),
+                      cell(m.get("prediction_recall"), ".3f"), "[red]FAILED[/]" if m.get("error") else "ok")
+    return table

@@ -1,0 +1,254 @@
+"""``oasisbench throughput / run / report / compare / gate / make-baseline`` end to end on a tiny model.
+
+Failure contract under test: bad input (unknown mode, malformed suite, missing run dir) exits 2 before
+anything runs; a point that fails while running (KV budget too small for one request) is recorded in
+metrics.json with ``failed`` and ``error``, the sweep goes on, and the command exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from oasisbench.cli.main import app
+from oasisbench.results.gate import gate, load_baseline
+from oasisbench.results.schema import Record, Run, point_id
+from oasisbench.results.store import load_run
+from oasisbench.runners import throughput as tp
+from tests.tiny_models import write_tiny
+
+runner = CliRunner()
+CI_BASELINE = Path(__file__).resolve().parent.parent / "suites" / "throughput" / "ci-smoke.baseline.yaml"
+# 40-token context = 2.5 blocks: tiny, but long enough for oasiskv to select (top-k 1 of 2 full blocks).
+SMALL = ["--context-len", "40", "--output-len", "3", "--kv-cache-gb", "0.01", "--top-k-blocks", "1",
+         "--device", "cpu", "--suite-name", "tp"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny(tmp_path_factory.mktemp("tp") / "tiny", "llama", max_position_embeddings=128))
+
+
+def run_dir_of(output: str) -> Path:
+    return Path(output.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny, tmp_path_factory) -> Path:
+    """One real sweep shared by the read-only tests: dense and oasiskv at concurrency 1 and 2."""
+    out = tmp_path_factory.mktemp("sweep")
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--modes", "dense,oasiskv", "--concurrency", "1,2",
+                            "--measure-recall", "--output-dir", str(out), *SMALL])
+    assert r.exit_code == 0, r.output
+    return run_dir_of(r.output)
+
+
+def test_throughput_writes_one_record_per_point(sweep):
+    assert sweep.parent.parent.is_dir() and sweep.parent.name == "tp"  # <output-dir>/<suite>/<run-id>
+    doc = json.loads((sweep / "metrics.json").read_text())
+    assert doc["schema_version"] == 1
+    records = doc["records"]
+    assert sorted((r["point"]["mode"], r["point"]["concurrency"]) for r in records) == [
+        ("dense", 1), ("dense", 2), ("oasiskv", 1), ("oasiskv", 2)]
+    assert len({point_id(r["point"]) for r in records}) == 4
+    for r in records:
+        m, c = r["metrics"], r["point"]["concurrency"]
+        assert m["completed"] == c and m["failed"] == 0 and "error" not in m  # num_requests = concurrency
+        assert m["total_output_tokens"] == 3 * c and m["total_input_tokens"] == 37 * c
+        assert m["max_admitted_batch"] == m["max_running_batch"] == c
+        for name in ("duration", "request_throughput", "output_throughput", "total_token_throughput",
+                     "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "fetched_blocks_per_step"):
+            assert isinstance(m[name], float), name
+    oasis = [r for r in records if r["point"]["mode"] == "oasiskv"]
+    assert all(r["metrics"]["prediction_recall"] is not None for r in oasis)
+    env = json.loads((sweep / "env.json").read_text())
+    assert {"git_commit", "python", "torch", "transformers", "device", "model"} <= set(env)
+    assert env["random_weights"] is False
+    config = json.loads((sweep / "config.json").read_text())
+    assert len(config["points"]) == 4 and len(config["engines"]) == 4
+    assert (sweep / "report.md").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--modes", "dense,turbo"], "unknown mode"),
+    (["--concurrency", "1,x"], "comma-separated list of integers"),
+    (["--output-len", "40"], "must be below context_len"),
+    (["--model", "/no/such/model"], "not found"),
+    pytest.param(["--device", "cuda"], "needs CUDA", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="checks the CPU-only message")),
+])
+def test_bad_input_exits_2_before_running(tiny, tmp_path, args, message):
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--output-dir", str(tmp_path), *SMALL, *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output.replace("\n", " ")
+
+
+def test_budget_too_small_is_a_recorded_failed_point(tiny, tmp_path):
+    args = ["throughput", "--model", tiny, "--modes", "dense", "--concurrency", "2", "--output-dir", str(tmp_path),
+            *SMALL, "--kv-cache-gb", "0.00001"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1, r.output
+    assert "too small for one request" in r.output.replace("\n", " ")
+    (record,) = load_run(run_dir_of(r.output)).records
+    assert record["metrics"]["failed"] == 2 and record["metrics"]["completed"] == 0
+    assert "too small for one request" in record["metrics"]["error"]
+
+
+def test_a_crashing_point_does_not_stop_the_sweep(tiny, tmp_path, monkeypatch):
+    real = tp._EngineCache.get
+
+    def get(self, planned):
+        if planned.point["concurrency"] == 1:
+            raise AttributeError("a bug in one mode")
+        return real(self, planned)
+
+    monkeypatch.setattr(tp._EngineCache, "get", get)
+    args = ["throughput", "--model", tiny, "--modes", "dense", "--concurrency", "1,2", "--output-dir", str(tmp_path)]
+    r = runner.invoke(app, [*args, *SMALL])
+    assert r.exit_code == 1 and "a bug in one mode" in r.output
+    records = load_run(run_dir_of(r.output)).records
+    errors = {rec["point"]["concurrency"]: rec["metrics"].get("error") for rec in records}
+    assert errors == {1: "AttributeError: a bug in one mode", 2: None}
+
+
+def test_resume_skips_finished_points(tiny, sweep, tmp_path, monkeypatch):
+    run_dir = tmp_path / "tp" / sweep.name
+    shutil.copytree(sweep, run_dir)
+    ran: list[str] = []
+    real = tp.run_point
+    monkeypatch.setattr(tp, "run_point",
+                        lambda pp, cache, progress=None: ran.append(pp.pid) or real(pp, cache, progress))
+    base = ["throughput", "--model", tiny, "--measure-recall", *SMALL, "--resume", str(run_dir)]
+    r = runner.invoke(app, [*base, "--modes", "dense,oasiskv", "--concurrency", "1,2"])
+    assert r.exit_code == 0, r.output
+    assert ran == []
+    r = runner.invoke(app, [*base, "--modes", "dense", "--concurrency", "1,2,3"])
+    assert r.exit_code == 0, r.output
+    assert len(ran) == 1 and "concurrency=3" in ran[0]
+    assert len(load_run(run_dir).records) == 5
+
+
+def test_resume_missing_run_dir(tiny, tmp_path):
+    r = runner.invoke(app, ["throughput", "--model", tiny, *SMALL, "--resume", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "nothing to resume" in r.output
+
+
+class _FakeEngine:
+    model_config = None
+
+    def __init__(self, resettable: bool) -> None:
+        if resettable:
+            self.reset_stats = lambda: None
+
+
+def test_engine_reused_only_when_counters_can_be_reset(tiny, monkeypatch):
+    import oasiskv_runtime
+
+    points = [{"model": tiny, "mode": "dense", "context_len": ctx, "concurrency": 1, "device": "cpu"}
+              for ctx in (40, 48)]
+    planned = tp.plan_points(points)
+    for resettable, builds in ((True, 1), (False, 2)):
+        monkeypatch.setattr(oasiskv_runtime, "LLM", lambda *a, **k: type("L", (), {"engine": _FakeEngine(resettable)}))
+        cache = tp._EngineCache()
+        for pp in planned:
+            cache.get(pp)
+        assert cache.num_builds == builds
+
+
+SUITE = """\
+name: tiny-suite
+kind: throughput
+defaults: {{model: "{model}", mode: dense, context_len: 40, output_len: 2, kv_cache_gb: 0.01, device: cpu}}
+grid:
+  concurrency: [2]
+gate: tiny.baseline.yaml
+"""
+
+
+def test_run_suite_layout_matches_ci(tiny, tmp_path):
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text(SUITE.format(model=tiny))
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["run", str(suite), "--output-dir", str(out)])
+    assert r.exit_code == 0, r.output
+    (run_dir,) = out.glob("*/*")  # what .ci/run's `ls -d "$out"/*/* | head -1` picks
+    assert run_dir == run_dir_of(r.output) and run_dir.parent.name == "tiny-suite"
+    assert "oasisbench gate --baseline" in r.output
+    assert load_run(run_dir).records[0]["metrics"]["completed"] == 2
+
+
+def test_run_malformed_suite_names_the_line(tmp_path):
+    suite = tmp_path / "bad.yaml"
+    suite.write_text("name: bad\nkind: throughput\ndefaults:\n  mode: dense\n  contex_len: 40\n")
+    r = runner.invoke(app, ["run", str(suite)])
+    assert r.exit_code == 2
+    assert "bad.yaml:5:" in r.output and "context_len" in r.output
+    r = runner.invoke(app, ["run", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2 and "not found" in r.output
+
+
+def test_report_compare(sweep, tmp_path):
+    r = runner.invoke(app, ["report", str(sweep), "--output", str(tmp_path / "r.md")])
+    assert r.exit_code == 0, r.output
+    assert "oasiskv / dense" in (tmp_path / "r.md").read_text()
+    r = runner.invoke(app, ["compare", str(sweep), str(sweep)])
+    assert r.exit_code == 0 and "matched points: 4" in r.output
+
+
+def test_make_baseline_then_gate(sweep, tmp_path):
+    baseline = tmp_path / "b.yaml"
+    r = runner.invoke(app, ["make-baseline", str(sweep), "--output", str(baseline)])
+    assert r.exit_code == 0, r.output
+    assert runner.invoke(app, ["gate", str(sweep), "--baseline", str(baseline)]).exit_code == 0
+    doc = yaml.safe_load(baseline.read_text())
+    check = next(c for c in doc["checks"] if c["metric"] == "total_output_tokens")
+    check["expected"] += 1
+    baseline.write_text(yaml.safe_dump(doc))
+    r = runner.invoke(app, ["gate", str(sweep), "--baseline", str(baseline)])
+    assert r.exit_code == 1 and "FAIL" in r.output
+    # Regenerating keeps the hand-written parts: the leading comments and the ratio checks.
+    doc["ratio_checks"] = [{"metric": "total_output_tokens", "numerator": {"mode": "oasiskv"},
+                            "denominator": {"mode": "dense"}, "match_on": ["concurrency"], "min": 1, "max": 1}]
+    baseline.write_text("# why\n" + yaml.safe_dump(doc))
+    assert runner.invoke(app, ["make-baseline", str(sweep), "--output", str(baseline)]).exit_code == 0
+    assert baseline.read_text().startswith("# why\n")
+    assert runner.invoke(app, ["gate", str(sweep), "--baseline", str(baseline)]).exit_code == 0
+    assert len(load_baseline(baseline)["ratio_checks"]) == 1
+    r = runner.invoke(app, ["make-baseline", str(sweep), "--metrics", "median_tpot_ms"])
+    assert r.exit_code == 2 and "wall-clock" in r.output
+    assert runner.invoke(app, ["make-baseline", str(tmp_path / "nope")]).exit_code == 2
+
+
+def _run_satisfying(baseline: dict) -> Run:
+    """A run whose every record holds exactly what the baseline expects (ratios at their bounds)."""
+    by_id: dict[str, Record] = {}
+    for c in baseline["checks"]:
+        rec = by_id.setdefault(point_id(c["point"]), Record(point=dict(c["point"]), metrics={}))
+        rec["metrics"][c["metric"]] = c["expected"]
+    records = list(by_id.values())
+    for rc in baseline.get("ratio_checks") or []:
+        ratio = rc.get("min", rc.get("max"))
+        for r in records:
+            if all(r["point"].get(k) == v for k, v in rc["denominator"].items()):
+                r["metrics"].setdefault(rc["metric"], 1.0)
+        for r in records:
+            if all(r["point"].get(k) == v for k, v in rc["numerator"].items()):
+                r["metrics"].setdefault(rc["metric"], ratio * 1.0)
+    return Run(suite=baseline["suite"], run_id="synthetic", records=records)
+
+
+def test_committed_ci_baseline_gates(tmp_path):
+    doc = load_baseline(CI_BASELINE)
+    assert doc["suite"] == "ci-smoke" and doc["checks"]
+    run = _run_satisfying(doc)
+    assert gate(run, doc).passed
+    doctored = json.loads(json.dumps(doc))
+    check = next(c for c in doctored["checks"] if c["metric"] == "total_output_tokens")
+    check["expected"] += 1
+    result = gate(run, doctored)
+    assert not result.passed and any(o.metric == "total_output_tokens" for o in result.failures)
