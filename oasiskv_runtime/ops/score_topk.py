@@ -42,6 +42,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from oasiskv_runtime.ops.common import loads, next_pow2
+
 __all__ = ["score_topk", "score_topk_ref", "quest_scores_ref", "quest_scores", "select_topk",
            "select_topk_triton"]
 
@@ -50,8 +52,7 @@ tl = None
 _KERNELS = None
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+_next_pow2 = next_pow2
 
 
 def _num_cols(num_candidates: torch.Tensor, max_candidates: Optional[int]) -> int:
@@ -201,11 +202,7 @@ def _kernels():
 
 
 def _triton_available() -> bool:
-    try:
-        _kernels()
-        return True
-    except Exception:  # pragma: no cover
-        return False
+    return loads(_kernels)
 
 
 def quest_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,

@@ -46,6 +46,8 @@ from typing import Optional
 
 import torch
 
+from oasiskv_runtime.ops.common import loads, next_pow2
+
 __all__ = [
     "sparse_decode_attention",
     "sparse_decode_attention_ref",
@@ -57,8 +59,7 @@ tl = None
 _KERNELS = None
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+_next_pow2 = next_pow2
 
 
 def _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len, extra_k, extra_v):
@@ -274,11 +275,7 @@ def _kernels():
 
 
 def _triton_available() -> bool:
-    try:
-        _kernels()
-        return True
-    except Exception:  # pragma: no cover - no triton on this machine
-        return False
+    return loads(_kernels)
 
 
 def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,

@@ -42,6 +42,8 @@ from typing import Optional
 
 import torch
 
+from oasiskv_runtime.ops.common import loads, next_pow2
+
 __all__ = ["uva_gather", "uva_gather_ref", "build_cuda_extension"]
 
 triton = None
@@ -52,8 +54,7 @@ _LOCK = threading.Lock()
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+_next_pow2 = next_pow2
 
 
 def _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads):
@@ -165,11 +166,7 @@ def _kernels():
 
 
 def _triton_available() -> bool:
-    try:
-        _kernels()
-        return True
-    except Exception:  # pragma: no cover
-        return False
+    return loads(_kernels)
 
 
 def _index(t: torch.Tensor, device) -> torch.Tensor:
