@@ -466,3 +466,24 @@ def test_uva_gather_rejects_pageable_host_memory():
     idx = torch.tensor([0, 1])
     with pytest.raises(ValueError, match="pinned"):
         ug.uva_gather(hk, hk, dk, dk.clone(), idx, idx, idx, backend="triton")
+
+
+def test_summary_update_ref_distinct_rows_fast_path():
+    """Decode appends one token per row (the fast path): same result as folding keys one at a time."""
+    from oasiskv_runtime.ops.summary_update import update_summaries_ref
+
+    g = torch.Generator().manual_seed(3)
+    sum_min = torch.randn(4, 8, 3, 48, generator=g)
+    sum_max = sum_min + torch.rand(4, 8, 3, 48, generator=g)
+    rows = torch.tensor([17, 3, 30, 8, 12])
+    reset = torch.tensor([False, True, False, False, True])
+    k = torch.randn(5, 3, 48, generator=g)
+    exp_min, exp_max = sum_min.view(-1, 3, 48).clone(), sum_max.view(-1, 3, 48).clone()
+    for i, r in enumerate(rows.tolist()):
+        if reset[i]:
+            exp_min[r], exp_max[r] = k[i], k[i]
+        else:
+            exp_min[r] = torch.minimum(exp_min[r], k[i])
+            exp_max[r] = torch.maximum(exp_max[r], k[i])
+    update_summaries_ref(k, rows, reset, sum_min, sum_max)
+    assert torch.equal(sum_min.view(-1, 3, 48), exp_min) and torch.equal(sum_max.view(-1, 3, 48), exp_max)

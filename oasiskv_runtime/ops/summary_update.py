@@ -59,7 +59,11 @@ def _check(k_new, rows, reset, sum_min, sum_max):
 
 def update_summaries_ref(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor,
                          sum_min: torch.Tensor, sum_max: torch.Tensor) -> None:
-    """Plain-PyTorch reference; any number of tokens may hit the same row."""
+    """Plain-PyTorch reference; any number of tokens may hit the same row.
+
+    Works on the touched rows only (gather, reduce, write back): a scatter_reduce over the whole paged
+    tensor costs time proportional to the cache size, not to the tokens appended.
+    """
     T, Hkv, D = _check(k_new, rows, reset, sum_min, sum_max)
     if T == 0:
         return
@@ -69,14 +73,23 @@ def update_summaries_ref(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.T
     k = k_new.to(device=dev, dtype=fmin.dtype)
     rows = rows.to(dev, torch.int64)
     reset = reset.to(dev, torch.bool)
-    if bool(reset.any()):
-        rr = rows[reset]
-        kr = k[reset]
-        fmin.index_copy_(0, rr, kr)  # a resetting token's key replaces the stale row
-        fmax.index_copy_(0, rr, kr)
-    idx = rows.view(T, 1, 1).expand(T, Hkv, D)
-    fmin.scatter_reduce_(0, idx, k, reduce="amin", include_self=True)
-    fmax.scatter_reduce_(0, idx, k, reduce="amax", include_self=True)
+    uniq, inv = torch.unique(rows, return_inverse=True)
+    cur_min, cur_max = fmin.index_select(0, uniq), fmax.index_select(0, uniq)       # [U, Hkv, D]
+    # A row that a resetting token hits starts from that block's first key, not from stale contents.
+    fresh = torch.zeros(uniq.numel(), dtype=torch.bool, device=dev).index_fill_(0, inv[reset], True)
+    inf = torch.finfo(fmin.dtype).max
+    cur_min = torch.where(fresh[:, None, None], torch.full_like(cur_min, inf), cur_min)
+    cur_max = torch.where(fresh[:, None, None], torch.full_like(cur_max, -inf), cur_max)
+    if uniq.numel() == T:  # decode: one token per row, no reduction among tokens needed
+        order = torch.empty_like(inv).index_copy_(0, inv, torch.arange(T, device=dev))
+        cur_min = torch.minimum(cur_min, k[order])
+        cur_max = torch.maximum(cur_max, k[order])
+    else:
+        idx = inv.view(T, 1, 1).expand(T, Hkv, D)
+        cur_min.scatter_reduce_(0, idx, k, reduce="amin", include_self=True)
+        cur_max.scatter_reduce_(0, idx, k, reduce="amax", include_self=True)
+    fmin.index_copy_(0, uniq, cur_min)
+    fmax.index_copy_(0, uniq, cur_max)
 
 
 def _kernels():
