@@ -113,7 +113,8 @@ def profile_steps(eng: LLMEngine, title: str, path: str, steps: int = 3) -> None
 
 def reset(eng: LLMEngine) -> None:
     for seq in list(eng.scheduler.running):
-        eng.backend.free_request(seq.seq_id) if hasattr(eng.backend, "free_request") else None
+        if hasattr(eng.backend, "free_request"):
+            eng.backend.free_request(seq.seq_id)
         rb = eng.kv.requests.pop(seq.seq_id)
         eng.kv.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
     eng.scheduler.running.clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence as Seq
 
 from oasiskv_runtime.config import EngineConfig
@@ -83,7 +82,3 @@ class LLM:
             finish_reason=seq.finish_reason,
             metrics=self.engine.request_metrics(seq),
         )
-
-
-def now() -> float:
-    return time.perf_counter()

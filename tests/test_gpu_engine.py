@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from oasiskv_runtime import LLM, SamplingParams
 from tests.tiny_models import write_tiny

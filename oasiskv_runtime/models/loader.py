@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +180,3 @@ def _init_random(net: DecoderForCausalLM, seed: int) -> None:
             p.zero_()
         else:
             p.normal_(0.0, 0.02, generator=gen)
-
-
-def with_name(config: ModelConfig, name: str) -> ModelConfig:
-    return replace(config, name=name)
