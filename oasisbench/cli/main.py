@@ -13,6 +13,7 @@ from oasisbench.cli.generate import generate_cmd
 from oasisbench.cli.recall import recall_cmd
 from oasisbench.cli.report import report_cmd
 from oasisbench.cli.throughput import run_cmd, throughput_cmd
+from oasisbench.cli.train_draft import train_draft_cmd
 
 app = typer.Typer(
     name="oasisbench",
@@ -30,6 +31,7 @@ app.command("run")(run_cmd)
 app.command("make-baseline")(baseline_cmd)
 app.command("accuracy")(accuracy_cmd)
 app.command("recall")(recall_cmd)
+app.command("train-draft")(train_draft_cmd)
 
 
 def main() -> None:

@@ -1,0 +1,81 @@
+"""``oasisbench train-draft``: train an EAGLE-3-style draft head for a target by self-distillation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from oasisbench.cli.options import DEFAULT_MODEL_NAME, DeviceOpt, ModelOpt, SeedOpt, default_device
+from oasisbench.cli.report import fail
+
+
+def train_draft_cmd(
+    model: ModelOpt = DEFAULT_MODEL_NAME,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Run directory: final head, checkpoint-N/, "
+                                         "train_summary.json, cache/.")] = Path("draft-head"),
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 2000,
+    batch_tokens: Annotated[int, typer.Option("--batch-tokens", help="Head positions per optimizer step.")] = 2048,
+    lr: Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate (warm-up, cosine to 10%).")] = 1e-3,
+    draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Draft vocabulary: the D most frequent "
+                                             "training-text tokens.")] = 4096,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per captured window.")] = 1024,
+    num_train_tokens: Annotated[int, typer.Option("--num-train-tokens", help="Training tokens (after the "
+                                                  "holdout).")] = 120_000,
+    holdout_tokens: Annotated[int, typer.Option("--holdout-tokens", help="First tokens of the essay stream, "
+                                                "kept out of training (recall runs read them).")] = 8192,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Held-out tokens scored (the first ones "
+                                             "of the holdout).")] = 2048,
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Stop training after this many "
+                                                     "seconds of wall time (then save as usual).")] = None,
+    intermediate_size: Annotated[int, typer.Option("--intermediate-size", help="Head MLP width.")] = 1536,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "",
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between checkpoints "
+                                                  "(0: none).")] = 500,
+    resume: Annotated[str | None, typer.Option("--resume", help="Checkpoint dir to continue from, or "
+                                               "'latest'.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Captured target states (default "
+                                                   "OUTPUT/cache).")] = None,
+    export: Annotated[Path | None, typer.Option("--export", help="Also write the final fp16 head "
+                                                "(config.json + model.safetensors) here.")] = None,
+) -> None:
+    """Train an EAGLE-3 head from the target's own outputs on the essays; use it as --draft eagle3:OUTPUT.
+
+    Example: oasisbench train-draft --model smollm2-135m --output runs/eagle3 --steps 2000
+    """
+    from oasisbench.runners.train_draft import TrainDraftConfig, train_draft
+
+    cfg = TrainDraftConfig(model=model, output=output, steps=steps, batch_tokens=batch_tokens, lr=lr,
+                           draft_vocab=draft_vocab, seq_len=seq_len, num_train_tokens=num_train_tokens,
+                           holdout_tokens=holdout_tokens, seed=seed, device=default_device(device),
+                           checkpoint_every=checkpoint_every, resume=resume, cache_dir=cache_dir,
+                           intermediate_size=intermediate_size, export=export, eval_tokens=eval_tokens,
+                           time_limit_s=time_limit)
+    for name in ("steps", "batch_tokens", "draft_vocab", "seq_len", "num_train_tokens", "intermediate_size"):
+        if getattr(cfg, name) <= 0:
+            raise fail(f"--{name.replace('_', '-')} must be positive")
+    try:
+        res = train_draft(cfg)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise fail(str(e)) from None
+    console = Console()
+    curve = Table(title="training loss (soft CE vs target, draft vocab)")
+    for col in ("step", "loss", "top-1 agreement"):
+        curve.add_column(col)
+    stride = max(1, len(res.losses) // 10)  # about ten rows whatever the run length
+    rows = res.losses[::stride]
+    if res.losses and rows[-1] != res.losses[-1]:
+        rows.append(res.losses[-1])
+    for s, loss, acc in rows:
+        curve.add_row(str(s), f"{loss:.4f}", f"{acc:.3f}")
+    console.print(curve)
+    h = res.heldout
+    console.print(f"held-out ({h['positions']} positions) next-token accuracy: head {h['head_vs_target']:.3f} vs "
+                  f"target greedy ({h['head_vs_text']:.3f} vs text); ngram {h['ngram_vs_target']:.3f} "
+                  f"({h['ngram_vs_text']:.3f} vs text)")
+    console.print(f"head: {output / 'model.safetensors'} ({res.head_bytes / 1e6:.2f} MB fp16), "
+                  f"{res.step} steps, {res.wall_s:.0f} s")
