@@ -111,7 +111,7 @@ class SparseAttention:
         row = self.rows.pop(seq_id, None)
         if row is None:
             return
-        if getattr(self, "async_pipeline", False):
+        if self.async_pipeline:
             self.stats.per_request[seq_id]["fetched_blocks"] += int(self.dev_req_fetched[row])
             self.dev_req_fetched[row] = 0
         self.ready.discard(seq_id)
@@ -123,14 +123,13 @@ class SparseAttention:
     # ---- per step ---------------------------------------------------------------------------------
     def begin_step(self, meta: StepMetadata) -> None:
         self.meta = meta
-        if getattr(self, "async_pipeline", False):
+        if self.async_pipeline:
             # Last step's batch tensors are about to be freed and their memory reused on this stream: order
             # this stream after every background job that read them (a GPU-side wait, not a host sync).
             cur = torch.cuda.current_stream(self.device)
             for ev in self.xfer_done:
                 if ev is not None:
                     cur.wait_event(ev)
-        dev, bs = self.device, self.bs
         written = (meta.slot_mapping >= 0).nonzero().squeeze(1)
         self._written = written
         self._sum_rows, self._reset = self._summary_rows(meta, written)
@@ -140,7 +139,6 @@ class SparseAttention:
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
         self.batch = self._decode_batch(decode) if decode else None
         self.stats.begin_step(len(decode))
-        del dev, bs
 
     def _summary_rows(self, meta: StepMetadata, written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat summary row and reset flag of every written token (one row per logical block)."""
@@ -196,7 +194,7 @@ class SparseAttention:
         else:
             self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), k[w], v[w])
         b = self.batch
-        if getattr(self, "async_pipeline", False) and self.xfer_done[layer] is not None:
+        if self.async_pipeline and self.xfer_done[layer] is not None:
             torch.cuda.current_stream(self.device).wait_event(self.xfer_done[layer])  # layer-local sync
         if b is not None and b.local_rows is not None:
             self.dev_cache.write(layer, b.local_rows, k[b.q_rows], v[b.q_rows])
@@ -230,12 +228,14 @@ class SparseAttention:
             kd, vd = torch.cat([ks, k[d:d + 1]]), torch.cat([vs, v[d:d + 1]])
             out[d:d + 1] = attend(q[d:d + 1], kd, vd, self.scale)
 
-    def _predict(self, layer: int, query: torch.Tensor, b: DecodeBatch, num_candidates: torch.Tensor,
-                 max_candidates: int | None = None) -> torch.Tensor:
-        """Top-K logical blocks per KV head [B, Hkv, K] (-1 padded) from the summaries."""
+    def _predict(self, layer: int, query: torch.Tensor, b: DecodeBatch, next_step: bool) -> torch.Tensor:
+        """Top-K logical blocks per KV head [B, Hkv, K] (-1 padded) from the summaries, over this step's
+        candidate blocks or (``next_step``) the next step's."""
         sum_min, sum_max = self.dev_cache.k[layer], self.dev_cache.v[layer]
-        if max_candidates is None:
-            max_candidates = b.max_next_candidates if num_candidates is b.next_candidates else b.max_candidates
+        if next_step:
+            num_candidates, max_candidates = b.next_candidates, b.max_next_candidates
+        else:
+            num_candidates, max_candidates = b.num_candidates, b.max_candidates
         args = (query, sum_min, sum_max, b.summary_table, num_candidates, self.hkv, max_candidates)
         scores = quest_scores(*args) if self.use_kernels else quest_scores_ref(*args)
         if self.cfg.sink_blocks and scores.shape[-1]:
@@ -250,12 +250,12 @@ class SparseAttention:
                        out: torch.Tensor) -> None:
         q_norm = q[b.q_rows]
         if self.mode is Mode.SPARSE_RESIDENT:
-            pred = self._predict(layer, q_norm, b, b.num_candidates)
+            pred = self._predict(layer, q_norm, b, next_step=False)
             block_ids = torch.where(pred >= 0, b.primary_table.gather(1, pred.clamp_min(0).flatten(1)).view_as(pred),
                                     pred)
         else:
             if self.mode is Mode.FETCH_ON_DEMAND:
-                pred = self._predict(layer, q_norm, b, b.num_candidates)
+                pred = self._predict(layer, q_norm, b, next_step=False)
                 cap = self.cfg.fetch_cap if self.cfg.fetch_on_demand_cap else self.k_slots
                 self._select_and_fetch(layer, b, pred, cap)
             elif self.cfg.measure_recall:
@@ -328,7 +328,7 @@ class SparseAttention:
 
     def _prefetch(self, layer: int, b: DecodeBatch, pred_q: torch.Tensor) -> None:
         if not self.async_pipeline:
-            pred = self._predict(layer, pred_q, b, b.next_candidates)
+            pred = self._predict(layer, pred_q, b, next_step=True)
             if self.cfg.measure_recall:
                 self.pending_pred[layer] = (b.state_rows.clone(), pred)
             self._select_and_fetch(layer, b, pred, self.cfg.fetch_cap)
@@ -339,7 +339,7 @@ class SparseAttention:
         attn_done = torch.cuda.current_stream(self.device).record_event()
         s_pred.wait_event(attn_done)
         with torch.cuda.stream(s_pred):
-            pred = self._predict(layer, pred_q, b, b.next_candidates)
+            pred = self._predict(layer, pred_q, b, next_step=True)
             if self.cfg.measure_recall:
                 self.pending_pred[layer] = (b.state_rows.clone(), pred)
         s_sel.wait_stream(s_pred)
@@ -356,7 +356,7 @@ class SparseAttention:
         if prev is None:
             return
         prev_rows, prev_pred = prev
-        true = self._predict(layer, q_true, b, b.num_candidates)
+        true = self._predict(layer, q_true, b, next_step=False)
         match = (prev_rows[:, None] == b.state_rows[None, :]).nonzero(as_tuple=True)
         for i_prev, i_now in zip(*match):
             if int(b.num_candidates[i_now]) <= self.k_slots:
@@ -383,8 +383,9 @@ class SparseAttention:
             next_candidates=torch.tensor([s.context_len // bs for s in done], device=self.device),
             summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in done], 0, self.device),
             primary_table=_pad([s.block_table for s in done], 0, self.device),
-            slot_blocks=torch.tensor([w[1:] for w in ws], dtype=torch.long, device=self.device), local_rows=None)
-        pred = self._predict(layer, q[qi], fake, fake.next_candidates, max(s.context_len // bs for s in done))
+            slot_blocks=torch.tensor([w[1:] for w in ws], dtype=torch.long, device=self.device), local_rows=None,
+            max_next_candidates=max(s.context_len // bs for s in done))
+        pred = self._predict(layer, q[qi], fake, next_step=True)
         self.slot_map[rows, layer] = -1
         self.last_sel[rows, layer] = -1
         self._select_and_fetch(layer, fake, pred, self.k_slots, initial=True)
@@ -416,7 +417,7 @@ class SparseAttention:
                 t.zero_()
 
     def run_stats(self) -> dict:
-        if getattr(self, "async_pipeline", False):
+        if self.async_pipeline:
             self.stats.fetched_by_layer = self.dev_fetched.tolist()
             self.stats.deferred_by_layer = self.dev_deferred.tolist()
             self.stats.initial_fill_blocks = int(self.dev_initial)

@@ -2,9 +2,9 @@
 (which host block of which head goes into which device block), performs the copies, and reports completion.
 
 ``SyncTransferEngine`` is the reference: copies run at once on the calling stream with batched index
-operations (never one call per block). ``UvaTransferEngine`` (CUDA) runs one zero-copy gather kernel per
-layer on a background stream and records an event per layer; ``wait(layer)`` makes the current stream wait
-for that layer's event only (layer-local sync, SPEC item 3).
+operations (never one call per block). On CUDA the sparse backend instead issues one zero-copy gather
+kernel (``ops.uva_gather``) per layer on a background stream and records an event per layer, which the next
+step's layer waits on (layer-local sync, SPEC item 3).
 """
 
 from __future__ import annotations
@@ -49,14 +49,3 @@ class SyncTransferEngine:
         self.dev_k[l][dst, :, hd] = k
         self.dev_v[l][dst, :, hd] = v
 
-    def wait(self, layer: int) -> None:
-        """Copies are already complete."""
-
-    def synchronize(self) -> None:
-        """Nothing in flight."""
-
-
-def copy_gather_ref(host_k: torch.Tensor, dev_k: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                    heads: torch.Tensor) -> None:
-    """What one layer's transfer must do to one tensor (used by tests)."""
-    dev_k[dst.to(dev_k.device), :, heads.to(dev_k.device)] = host_k[src, :, heads].to(dev_k.device)
