@@ -112,6 +112,19 @@ class KVCacheManager:
         self.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
         self.host_pool.free(rb.host_blocks)
 
+    def detach_host_blocks(self, seq: Sequence) -> list[int]:
+        """Take a request's host blocks out of its bookkeeping without freeing them (prefill-decode: the
+        prefill side keeps the prompt's KV staged after the request leaves the engine). The caller frees
+        them with :meth:`free_host_blocks`."""
+        rb = self.requests.get(seq.seq_id)
+        if rb is None:
+            return []
+        blocks, rb.host_blocks = rb.host_blocks, []
+        return blocks
+
+    def free_host_blocks(self, blocks: list[int]) -> None:
+        self.host_pool.free(blocks)
+
     def blocks(self, seq: Sequence) -> RequestBlocks:
         return self.requests[seq.seq_id]
 

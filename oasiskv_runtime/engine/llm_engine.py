@@ -14,11 +14,21 @@ from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
 from oasiskv_runtime.engine.model_runner import ModelRunner
 from oasiskv_runtime.engine.scheduler import Scheduler
-from oasiskv_runtime.engine.sequence import Sequence
+from oasiskv_runtime.engine.sequence import Sequence, SequenceStatus
 from oasiskv_runtime.models.loader import DTYPES, load_model
 from oasiskv_runtime.sampling_params import SamplingParams
 
 GiB = 1 << 30
+
+
+@dataclass
+class StagedKV:
+    """A finished request's prompt KV kept in the host pool (prefill-decode hand-off), with the sparse state
+    the decode side continues from (``SparseAttention.export_request``)."""
+
+    seq: Sequence
+    host_blocks: list[int]
+    state: dict | None
 
 
 @dataclass
@@ -33,6 +43,12 @@ class EngineStats:
     """Most device blocks each finished request held (working set + summaries in sparse modes)."""
     num_draft_checked: int = 0
     num_draft_correct: int = 0
+    prefill_step_seconds: float = 0.0
+    """Wall time of steps that compute a prefill chunk (alone or with decode tokens)."""
+    decode_step_seconds: float = 0.0
+    """Wall time of decode-only steps. Each step's GPU work is waited for by the step's sampling or by the
+    next step's first host sync, so the split is exact up to one step at each change of kind."""
+    num_prefill_steps: int = 0
 
     @property
     def max_running_batch(self) -> int:
@@ -76,6 +92,8 @@ class LLMEngine:
             self.drafter = make_draft_source(config.sparse.draft, self)
             self.runner.capture_layers = self.drafter.capture_layers
         self.stats = EngineStats()
+        self.staged: dict[str, StagedKV] = {}
+        """Prefill-decode, prefill side: request id -> the prompt KV kept in the host pool for a decode peer."""
         self._held_blocks: dict[int, int] = {}
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -109,7 +127,18 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival: float | None = None) -> Sequence:
+                    arrival: float | None = None, stage_kv: bool = False) -> Sequence:
+        """Queue a request. ``stage_kv`` (prefill-decode, prefill side): when it finishes, keep its prompt KV
+        in the host pool (``self.staged``) until :meth:`release_staged`."""
+        if stage_kv and not self.config.mode.uses_host_pool:
+            raise ValueError(f"staging KV for a decode peer needs a host-pool mode, not {self.config.mode.value}")
+        seq = self._new_sequence(prompt_token_ids, params, request_id, arrival)
+        seq.stage_kv = stage_kv
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                      arrival: float | None) -> Sequence:
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         vocab = self.model_config.vocab_size
@@ -118,9 +147,75 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, longer than the model's context of "
                              f"{self.max_model_len} tokens (one more is needed for the first output token)")
-        seq = Sequence(prompt_token_ids, params, request_id, arrival)
-        self.scheduler.add(seq)
+        return Sequence(prompt_token_ids, params, request_id, arrival)
+
+    # ---- prefill-decode hand-off ---------------------------------------------------------------------
+    def release_staged(self, request_id: str) -> bool:
+        """Free a staged request's host blocks (its decode peer finished with it). False if unknown."""
+        st = self.staged.pop(request_id, None)
+        if st is None:
+            return False
+        self.kv.free_host_blocks(st.host_blocks)
+        return True
+
+    def import_request(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                       request_id: str, state: dict | None, load_kv, arrival: float | None = None,
+                       forced_output_ids: list[int] | None = None) -> Sequence | None:
+        """Admit a request whose prompt was prefilled elsewhere (prefill-decode, decode side).
+
+        Allocates its blocks, calls ``load_kv(seq, blocks)`` to bring the prompt KV the decode side starts
+        with into the primary store (the caller's transport), installs the sparse state the prefill side
+        exported, and puts the request straight into the running batch with ``first_token`` as its first
+        output. Returns None when the KV budget has no room now (retry after a step), the sequence otherwise.
+        """
+        seq = self._new_sequence(prompt_token_ids, params, request_id, arrival)
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} out of the vocabulary")
+        seq.forced_output_ids = forced_output_ids
+        self.kv.check_fits_alone(seq)
+        if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
+            return None
+        if not self.kv.allocate(seq, len(prompt_token_ids)):
+            return None
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.output_token_ids.append(first_token)
+        try:
+            load_kv(seq, self.kv.blocks(seq))
+            if self.config.mode.is_sparse:
+                if state is None:
+                    raise ValueError("a sparse decode peer needs the prefill side's sparse state")
+                self.backend.import_request(seq.seq_id, len(prompt_token_ids), state, self.runner.step_index)
+        except BaseException:
+            self._release(seq.seq_id)
+            self.kv.free(seq)
+            raise
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        now = time.perf_counter()
+        seq.times.first_scheduled = seq.times.first_token = now
+        seq.times.token_times.append(now)
+        reason = self._stop_reason(seq, first_token)
+        if reason is not None:
+            self._finish(seq, reason, now)
         return seq
+
+    def abort(self, seq: Sequence, message: str) -> None:
+        """End a running request with an error (its output so far is kept; finish reason "error")."""
+        if seq.is_finished:
+            return
+        seq.error = message
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        self._finish(seq, "error", time.perf_counter())
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        if seq.stage_kv:
+            state = self.backend.export_request(seq.seq_id, len(seq.prompt_token_ids), self.runner.step_index)
+            self.staged[seq.request_id] = StagedKV(seq, self.kv.detach_host_blocks(seq), state)
+        self.scheduler.finish(seq, reason)
+        self._release(seq.seq_id)
+        seq.times.finished = now
+        self.stats.request_device_blocks.append(self._held_blocks.pop(seq.seq_id, 0))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -128,6 +223,7 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One engine step; returns the requests that finished in it."""
+        t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         for seq_id in sched.preempted_ids:
@@ -146,6 +242,11 @@ class LLMEngine:
             self.drafter.observe(self.runner.last_meta, self.runner.last_captured)
         now = time.perf_counter()
         self.stats.num_steps += 1
+        if any(s.num_tokens > 1 for s in sched.scheduled):
+            self.stats.num_prefill_steps += 1
+            self.stats.prefill_step_seconds += now - t_start
+        else:
+            self.stats.decode_step_seconds += now - t_start
         self.stats.running_batch.append(len(self.scheduler.running))
         self.stats.decode_batch.append(sum(1 for s in sched.scheduled if s.num_tokens == 1))
         self.stats.peak_device_blocks = max(self.stats.peak_device_blocks, self.kv.device_pool.num_used)
@@ -171,10 +272,7 @@ class LLMEngine:
             seq.times.token_times.append(now)
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._release(seq.seq_id)
-                seq.times.finished = now
-                self.stats.request_device_blocks.append(held.pop(seq.seq_id, 0))
+                self._finish(seq, reason, now)
                 finished.append(seq)
         return finished
 
@@ -220,6 +318,11 @@ class LLMEngine:
             "prediction_recall": None,
             "recall_per_layer": None,
             "random_weights": self.model_config.random_weights,
+            "num_prefill_steps": st.num_prefill_steps,
+            "prefill_step_seconds": st.prefill_step_seconds,
+            "decode_step_seconds": st.decode_step_seconds,
+            "prefill_time_share": (st.prefill_step_seconds / (st.prefill_step_seconds + st.decode_step_seconds)
+                                   if st.num_steps else None),
         }
         if self.config.device.startswith("cuda"):
             out["peak_torch_allocated_bytes"] = torch.cuda.max_memory_allocated(torch.device(self.config.device))

@@ -57,6 +57,10 @@ class Sequence:
         self.forced_output_ids: list[int] | None = None
         """Teacher forcing: output tokens are taken from here instead of sampled (recall measurement)."""
         self.text = ""
+        self.stage_kv = False
+        """Prefill-decode: keep the prompt's KV staged in the host pool when the request finishes here."""
+        self.error: str | None = None
+        """Why the request was aborted (finish reason "error"), e.g. its prefill peer died."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -24,13 +24,14 @@ import torch
 
 from oasiskv_runtime.attention.dense import PagedKVCache
 from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
-from oasiskv_runtime.attention.ref import attend, causal_allowed
+from oasiskv_runtime.attention.ref import attend, attend_prefill, causal_allowed
 from oasiskv_runtime.config import Mode, SparseConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
 from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.ops.summary_update import update_summaries
-from oasiskv_runtime.ops.uva_gather import uva_gather, uva_scatter_rows
+from oasiskv_runtime.ops.common import host_list_to
+from oasiskv_runtime.ops.uva_gather import uva_gather, uva_gather_blocks, uva_scatter_rows
 from oasiskv_runtime.sparse.selector_torch import select_batched
 from oasiskv_runtime.sparse.stats import SparseStats
 from oasiskv_runtime.transfer.engine import SyncTransferEngine, TransferPlan
@@ -93,6 +94,9 @@ class SparseAttention:
             self.dev_deferred = torch.zeros(num_layers, dtype=torch.long, device=device)
             self.dev_initial = torch.zeros((), dtype=torch.long, device=device)
             self.dev_req_fetched = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.remote = None
+        """Prefill-decode, decode side: ``oasiskv_runtime.pd.remote.RemoteKV``; host blocks it marks absent
+        are read from the prefill peer before they are copied to the device (a cache miss)."""
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_rows))
         self.ready: set[int] = set()
@@ -115,10 +119,81 @@ class SparseAttention:
             self.stats.per_request[seq_id]["fetched_blocks"] += int(self.dev_req_fetched[row])
             self.dev_req_fetched[row] = 0
         self.ready.discard(seq_id)
+        if self.remote is not None:
+            self.remote.forget(seq_id)
         if self.mode.uses_host_pool:
             self.slot_map[row] = -1
             self.last_sel[row] = -1
         self.free_rows.append(row)
+
+    # ---- prefill-decode hand-off ---------------------------------------------------------------------
+    def _summary_index(self, seq_id: int, num_blocks: int) -> torch.Tensor:
+        table, bs = self.kv.requests[seq_id].summary_blocks, self.bs
+        return torch.tensor([table[j // bs] * bs + j % bs for j in range(num_blocks)], dtype=torch.long,
+                            device=self.device)
+
+    def export_request(self, seq_id: int, context_len: int, step: int) -> dict:
+        """What a decode peer needs to continue a request prefilled here exactly as this engine would: the
+        key summaries of every block, and per layer and KV head the working-set map filled at the end of
+        prefill (the first decode step's blocks), with selection stamps relative to ``step``."""
+        if not self.mode.uses_host_pool:
+            raise ValueError(f"export_request needs a host-pool mode, not {self.mode.value}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        row = self.rows[seq_id]
+        nb = -(-context_len // self.bs)
+        idx = self._summary_index(seq_id, nb)
+        flat = lambda t: t.view(-1, self.hkv, self.head_dim)  # noqa: E731
+        last = self.last_sel[row]
+        return {
+            "summary_min": torch.stack([flat(self.dev_cache.k[l])[idx] for l in range(self.num_layers)]).cpu(),
+            "summary_max": torch.stack([flat(self.dev_cache.v[l])[idx] for l in range(self.num_layers)]).cpu(),
+            "slot_map": self.slot_map[row].to("cpu", copy=True),  # a copy: the row is reset on release
+            "last_sel": torch.where(last >= 0, last - (step - 1), torch.full_like(last, -1)).cpu(),
+            "top_k_blocks": self.k_slots,
+        }
+
+    def import_request(self, seq_id: int, context_len: int, state: dict, step: int) -> None:
+        """Install a request prefilled by a peer (its prompt KV already in the host pool, at least the blocks
+        of ``state["slot_map"]`` and the partial last block): summaries, the per-head map, the working set."""
+        if not self.mode.uses_host_pool:
+            raise ValueError(f"import_request needs a host-pool mode, not {self.mode.value}")
+        if state["top_k_blocks"] != self.k_slots:
+            raise ValueError(f"prefill peer selects {state['top_k_blocks']} blocks per head, this engine "
+                             f"{self.k_slots}: both sides need the same top_k_blocks")
+        if self.dense_layers:
+            raise ValueError("dense_layers read every block of the context: not supported for a request "
+                             "prefilled by a peer")
+        bs, dev = self.bs, self.device
+        row = self._row(seq_id)
+        rb = self.kv.requests[seq_id]
+        nb = -(-context_len // bs)
+        idx = self._summary_index(seq_id, nb)
+        smap = state["slot_map"].to(dev)
+        last = state["last_sel"].to(dev)
+        self.slot_map[row] = smap
+        self.last_sel[row] = torch.where(last >= 0, last + (step - 1), torch.full_like(last, -1))
+        host_table = torch.tensor(rb.host_blocks, dtype=torch.long, device=dev)
+        slot_blocks = torch.tensor(rb.ws_blocks[1:], dtype=torch.long, device=dev)
+        used = context_len % bs
+        for layer in range(self.num_layers):
+            for t, src in ((self.dev_cache.k[layer], state["summary_min"]), (self.dev_cache.v[layer],
+                                                                              state["summary_max"])):
+                t.view(-1, self.hkv, self.head_dim)[idx] = src[layer].to(dev, t.dtype)
+            h, k = (smap[layer] >= 0).nonzero(as_tuple=True)
+            plan = TransferPlan(layer, host_table[smap[layer][h, k]], slot_blocks[k], h)
+            self.transfer.submit(plan)
+            if self.async_pipeline:
+                self.dev_initial += plan.num_copies
+            else:
+                self.stats.initial_fill_blocks += plan.num_copies
+            if used:
+                hb, local = rb.host_blocks[context_len // bs], rb.ws_blocks[0]
+                self.dev_cache.k[layer][local, :used] = self.host_cache.k[layer][hb, :used].to(dev)
+                self.dev_cache.v[layer][local, :used] = self.host_cache.v[layer][hb, :used].to(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.ready.add(seq_id)
 
     # ---- per step ---------------------------------------------------------------------------------
     def begin_step(self, meta: StepMetadata) -> None:
@@ -213,9 +288,70 @@ class SparseAttention:
         self._init_finished_prefills(layer, q)
         return out
 
+    device_prefill: bool | None = None
+    """Prefill (and dense-layer) attention reads the context with device ops only: the chunk's own rows from
+    this step's k/v, earlier tokens by one UVA gather launch from the pinned host pool (host-pool modes) or an
+    index_select of the device cache, block ids uploaded once per step; no host sync and no host-side read of
+    the pool. None: on CUDA. The host path below stays the CPU reference (bit-parity with transformers)."""
+
+    def _use_device_prefill(self, q: torch.Tensor) -> bool:
+        return self.device_prefill if self.device_prefill is not None else q.is_cuda
+
+    def _step_cache(self) -> dict:
+        """Per-step memo of the device tensors the prefill helpers build (one upload per step, not per layer)."""
+        if getattr(self, "_memo_meta", None) is not self.meta:
+            self._memo_meta, self._memo = self.meta, {}
+        return self._memo
+
+    def _pool_gather_backend(self) -> str:
+        """``uva_gather_blocks`` backend for the host pool: the kernel on CUDA; without kernels the reference
+        reads the pinned pool on the host, so it must first wait for this stream's UVA writes to land."""
+        if self.device.type == "cuda" and not self.use_kernels:
+            torch.cuda.current_stream(self.device).synchronize()
+            return "ref"
+        return "auto"
+
+    def _context_kv(self, layer: int, s: SeqSlice, kc: torch.Tensor, vc: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[context_len, Hkv, D] keys and values of ``s``: the tokens before this step's rows read from the
+        primary store, then this step's rows ``kc``/``vc`` (already on the device: not read back)."""
+        prefix = s.context_len - s.num_query
+        memo = self._step_cache()
+        key = ("ctx", s.seq_id)
+        blocks = memo.get(key)
+        if blocks is None:
+            blocks = memo[key] = host_list_to(s.block_table[:-(-prefix // self.bs)], torch.long, kc.device)
+        if not self.mode.uses_host_pool:
+            ks = self.dev_cache.k[layer].index_select(0, blocks).flatten(0, 1)[:prefix]
+            vs = self.dev_cache.v[layer].index_select(0, blocks).flatten(0, 1)[:prefix]
+            return torch.cat([ks, kc]), torch.cat([vs, vc])
+        ks, vs = uva_gather_blocks(self.host_cache.k[layer], self.host_cache.v[layer], blocks, prefix,
+                                   s.context_len, backend=self._pool_gather_backend())
+        ks[prefix:] = kc
+        vs[prefix:] = vc
+        return ks, vs
+
+    def _dense_seq_device(self, layer: int, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor) -> None:
+        """:meth:`_dense_seq` without host round trips (see ``device_prefill``); a chunk that is the whole
+        context attends over its own rows and reads nothing."""
+        rows = slice(s.query_start, s.query_start + s.num_query)
+        if s.num_query == s.context_len:
+            ks, vs = k[rows], v[rows]
+        else:
+            ks, vs = self._context_kv(layer, s, k[rows], v[rows])
+        out[rows] = attend_prefill(q[rows], ks, vs, self.scale)
+        if s.draft_row is not None:
+            d = s.draft_row
+            kd, vd = torch.cat([ks, k[d:d + 1]]), torch.cat([vs, v[d:d + 1]])
+            out[d:d + 1] = attend(q[d:d + 1], kd, vd, self.scale)
+
     def _dense_seq(self, layer: int, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor) -> None:
         """Causal attention over the full context from the primary store (prefill, and dense layers)."""
+        if self._use_device_prefill(q):
+            self._dense_seq_device(layer, s, q, k, v, out)
+            return
         if q.is_cuda and self.mode.uses_host_pool:
             torch.cuda.current_stream(self.device).synchronize()  # UVA writes must land before the CPU reads
         ks, vs = self.primary.gather(layer, s.block_table, s.context_len)
@@ -297,6 +433,8 @@ class SparseAttention:
         hidx = torch.arange(h, device=idx.device)[None, :, None].expand_as(idx)
         src = torch.where(valid, b.primary_table[bidx, logical], torch.full_like(logical, -1))
         dst = b.slot_blocks[bidx, idx]
+        if self.remote is not None:
+            self.remote.ensure(layer, src[valid])  # a host round trip: prefill-decode cache misses only
         if not self.cfg.disable_transfers:
             uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
                        self.dev_cache.v[layer], src.flatten(), dst.flatten(), hidx.flatten())
@@ -320,6 +458,8 @@ class SparseAttention:
         new_map = plan.new_slot_blocks.view(n, self.hkv, kk)
         bi, hi, si = plan.admit_mask.view(n, self.hkv, kk).nonzero(as_tuple=True)
         logical = new_map[bi, hi, si]
+        if self.remote is not None:
+            self.remote.ensure(layer, primary[bi, logical])
         if not self.cfg.disable_transfers:
             self.transfer.submit(TransferPlan(layer, primary[bi, logical], slot_blocks[bi, si], hi))
         per_request = torch.bincount(bi, minlength=n).tolist()
@@ -365,39 +505,73 @@ class SparseAttention:
             hits = (t[:, :, None] == p[:, None, :]).any(-1) & (t >= 0)
             self.stats.add_recall(layer, hits.sum().item(), (t >= 0).sum().item())
 
+    def _finished_prefill_batch(self, done: list[SeqSlice]) -> DecodeBatch:
+        """The batch that fills the working sets of requests whose prefill completes this step (built once per
+        step and reused by every layer; on CUDA uploaded without a host sync)."""
+        memo = self._step_cache()
+        fake = memo.get("finished")
+        if fake is not None:
+            return fake
+        bs, dev = self.bs, self.device
+        long = lambda xs: host_list_to(xs, torch.long, dev)  # noqa: E731
+        pad = lambda rows: long([r + [0] * (max(1, *map(len, rows)) - len(r)) for r in rows])  # noqa: E731
+        rows = long([self._row(s.seq_id) for s in done])
+        qi = long([s.draft_row if (s.draft_row is not None and self.mode.uses_draft)
+                   else s.query_start + s.num_query - 1 for s in done])
+        ws = [self.kv.requests[s.seq_id].ws_blocks for s in done]
+        n_cand = long([s.context_len // bs for s in done])
+        fake = memo["finished"] = DecodeBatch(
+            slices=done, state_rows=rows, q_rows=qi, draft_rows=qi, has_draft=torch.zeros_like(rows, dtype=torch.bool),
+            local_block=long([w[0] for w in ws]), local_len=rows, num_candidates=n_cand, next_candidates=n_cand,
+            summary_table=pad([self.kv.requests[s.seq_id].summary_blocks for s in done]),
+            primary_table=pad([s.block_table for s in done]), slot_blocks=long([w[1:] for w in ws]),
+            local_rows=None, max_next_candidates=max(s.context_len // bs for s in done))
+        return fake
+
+    def _copy_tail_blocks(self, layer: int, done: list[SeqSlice]) -> None:
+        """The active block's earlier tokens (the prompt's tail) into each request's local slot, by device ops:
+        the tail block is gathered from the pinned pool (UVA, stream-ordered after this step's writes) into a
+        scratch tensor and its first ``used`` rows are copied into the slot."""
+        memo = self._step_cache()
+        for s in done:
+            j, used = s.context_len // self.bs, s.context_len % self.bs
+            if not used:
+                continue
+            key = ("tail", s.seq_id)
+            hb = memo.get(key)
+            if hb is None:
+                hb = memo[key] = host_list_to([s.block_table[j]], torch.long, self.device)
+            tk, tv = uva_gather_blocks(self.host_cache.k[layer], self.host_cache.v[layer], hb, used,
+                                       backend=self._pool_gather_backend())
+            local = self.kv.requests[s.seq_id].ws_blocks[0]
+            self.dev_cache.k[layer][local, :used] = tk
+            self.dev_cache.v[layer][local, :used] = tv
+
     def _init_finished_prefills(self, layer: int, q: torch.Tensor) -> None:
         done = [s for s in self._prefill if s.completes]
         if not done:
             return
         if not self.mode.uses_host_pool:
             return
-        bs = self.bs
-        rows = torch.tensor([self._row(s.seq_id) for s in done], dtype=torch.long, device=self.device)
-        qi = torch.tensor([s.draft_row if (s.draft_row is not None and self.mode.uses_draft)
-                           else s.query_start + s.num_query - 1 for s in done], device=self.device)
-        ws = [self.kv.requests[s.seq_id].ws_blocks for s in done]
-        fake = DecodeBatch(
-            slices=done, state_rows=rows, q_rows=qi, draft_rows=qi, has_draft=torch.zeros_like(rows, dtype=torch.bool),
-            local_block=torch.tensor([w[0] for w in ws], device=self.device), local_len=rows,
-            num_candidates=torch.tensor([s.context_len // bs for s in done], device=self.device),
-            next_candidates=torch.tensor([s.context_len // bs for s in done], device=self.device),
-            summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in done], 0, self.device),
-            primary_table=_pad([s.block_table for s in done], 0, self.device),
-            slot_blocks=torch.tensor([w[1:] for w in ws], dtype=torch.long, device=self.device), local_rows=None,
-            max_next_candidates=max(s.context_len // bs for s in done))
-        pred = self._predict(layer, q[qi], fake, next_step=True)
+        fake = self._finished_prefill_batch(done)
+        rows = fake.state_rows
+        pred = self._predict(layer, q[fake.q_rows], fake, next_step=True)
         self.slot_map[rows, layer] = -1
         self.last_sel[rows, layer] = -1
         self._select_and_fetch(layer, fake, pred, self.k_slots, initial=True)
         # The active block's earlier tokens (the prompt's tail) go into the local slot.
+        if self._use_device_prefill(q):
+            self._copy_tail_blocks(layer, done)
+            return
+        bs = self.bs
         if q.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
-        for s, w in zip(done, ws):
+        for s in done:
             j, used = s.context_len // bs, s.context_len % bs
             if used:
-                hb = s.block_table[j]
-                self.dev_cache.k[layer][w[0], :used] = self.host_cache.k[layer][hb, :used].to(self.device)
-                self.dev_cache.v[layer][w[0], :used] = self.host_cache.v[layer][hb, :used].to(self.device)
+                hb, local = s.block_table[j], self.kv.requests[s.seq_id].ws_blocks[0]
+                self.dev_cache.k[layer][local, :used] = self.host_cache.k[layer][hb, :used].to(self.device)
+                self.dev_cache.v[layer][local, :used] = self.host_cache.v[layer][hb, :used].to(self.device)
 
     def end_step(self) -> None:
         if self.meta is not None:
