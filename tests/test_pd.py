@@ -38,7 +38,7 @@ class InProcessPD:
         self.decode = DecodeWorker(cfg, "tcp")
         e = self.decode.engine
         self.prefill = PrefillWorker(prefill_config(cfg), self.decode.address, transfer, "tcp",
-                                     preloaded=(e.model, e.tokenizer, e.model_config))
+                                     preloaded=(e.model, e.tokenizer, e.model_config), send_state=cfg.mode.is_sparse)
         self.threads = [threading.Thread(target=w.serve, daemon=True) for w in (self.decode, self.prefill)]
         for t in self.threads:
             t.start()
@@ -135,3 +135,84 @@ def test_rpf_admission_bytes_independent_of_prompt_length(tiny):
     assert max(rpf) <= 5 * (3 * 3 + 1) * block_kv
     assert rpf[2] * 8 < full[2]
     assert summaries[2] > summaries[0]                    # summaries do grow (1/16 of the KV at block 16)
+
+
+def test_transfer_error_ends_only_the_requests_that_need_the_bytes(tiny):
+    from oasiskv_runtime.pd.transport import TransferError
+
+    pd = InProcessPD(tiny, "oasiskv", "rpf", **SMALL)
+    real_read, real_adopt = pd.decode.transport.read, pd.decode.remote.adopt
+    admitting = {"now": False}
+
+    def adopt(*args, **kw):
+        admitting["now"] = True
+        try:
+            return real_adopt(*args, **kw)
+        finally:
+            admitting["now"] = False
+
+    def flaky(peer, ops, timeout_s=10.0):
+        # Admission reads go through; every read during decode (a cache miss) fails.
+        if not admitting["now"]:
+            raise TransferError(f"injected failure reading from {peer}")
+        return real_read(peer, ops, timeout_s)
+
+    pd.decode.remote.adopt = adopt
+    pd.decode.transport.read = flaky
+    short = [3, 4, 5, 6, 7, 8, 9, 10]  # 2 blocks <= K=3: all of it arrives at admission, never misses
+    try:
+        res = pd.run([PROMPTS[2], short], GREEDY)
+    finally:
+        pd.close()
+    assert res["r0"]["finish_reason"] == "error" and "TransferError" in res["r0"]["error"]
+    assert res["r1"]["error"] is None and len(res["r1"]["output_token_ids"]) == GREEDY.max_tokens
+    single = LLM(tiny, mode="oasiskv", **SMALL).generate([short], GREEDY)[0].token_ids
+    assert res["r1"]["output_token_ids"] == single
+
+
+def _nixl_or_skip():
+    pytest.importorskip("nixl", reason="NIXL not installed (pip install --no-deps nixl-cu13==1.5.1 nixl==1.5.1)")
+
+
+def test_separate_processes_over_nixl_equal_single_engine(tiny, tmp_path):
+    from oasiskv_runtime.pd.cluster import PDCluster
+
+    _nixl_or_skip()
+    cfg = EngineConfig.from_overrides(tiny, mode="oasiskv", **SMALL)
+    single = [o.token_ids for o in LLM(tiny, mode="oasiskv", **SMALL).generate(PROMPTS, GREEDY)]
+    with PDCluster(cfg, "rpf", "nixl", log_dir=tmp_path) as c:
+        for i, p in enumerate(PROMPTS):
+            c.submit(f"r{i}", p, GREEDY)
+        res = c.collect([f"r{i}" for i in range(len(PROMPTS))], 120)
+        stats = c.stats()
+    assert [res[f"r{i}"]["output_token_ids"] for i in range(len(PROMPTS))] == single
+    log = [tuple(e) for e in stats["decode"]["transfer_log"]]
+    assert log and max(collections.Counter(log).values()) == 1
+    assert stats["prefill"]["staged"] == 0  # every staged prompt was freed when its request finished
+
+
+@pytest.mark.slow
+def test_prefill_killed_mid_decode(tiny, tmp_path):
+    from oasiskv_runtime.pd.cluster import PDCluster
+
+    _nixl_or_skip()
+    cfg = EngineConfig.from_overrides(tiny, mode="oasiskv", **SMALL)
+    long_out = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    short = [3, 4, 5, 6, 7, 8, 9, 10]  # all of its KV is on the decode side after admission
+    with PDCluster(cfg, "rpf", "nixl", log_dir=tmp_path, read_timeout_s=3.0) as c:
+        c.submit("long", PROMPTS[2], long_out)
+        c.submit("short", short, long_out)
+        assert c.wait_admitted(["long", "short"], 60)
+        c.kill_prefill()
+        t0 = time.monotonic()
+        res = c.collect(["long", "short"], 60)
+        assert time.monotonic() - t0 < 30, "the decode side must not hang on a dead peer"
+        assert res["long"]["finish_reason"] == "error" and "prefill peer" in res["long"]["error"]
+        assert res["short"]["error"] is None and len(res["short"]["output_token_ids"]) == 300
+        # The decode worker stayed up: a new prefill worker joins and its requests are served.
+        assert c.decode.alive
+        c.start_prefill()
+        c.submit("after", PROMPTS[0], GREEDY)
+        after = c.collect(["after"], 60)["after"]
+    single = LLM(tiny, mode="oasiskv", **SMALL).generate([PROMPTS[0]], GREEDY)[0].token_ids
+    assert after["error"] is None and after["output_token_ids"] == single

@@ -10,6 +10,7 @@ from oasisbench.cli.baseline import baseline_cmd
 from oasisbench.cli.compare import compare_cmd
 from oasisbench.cli.gate import gate_cmd
 from oasisbench.cli.generate import generate_cmd
+from oasisbench.cli.pd import pd_cmd
 from oasisbench.cli.recall import recall_cmd
 from oasisbench.cli.report import report_cmd
 from oasisbench.cli.throughput import run_cmd, throughput_cmd
@@ -32,6 +33,7 @@ app.command("make-baseline")(baseline_cmd)
 app.command("accuracy")(accuracy_cmd)
 app.command("recall")(recall_cmd)
 app.command("train-draft")(train_draft_cmd)
+app.command("pd")(pd_cmd)
 
 
 def main() -> None:

@@ -99,6 +99,7 @@ class PDCluster:
         self.submitted: dict[str, float] = {}
         self.results: dict[str, dict[str, Any]] = {}
         self.first_token: dict[str, float] = {}
+        self.admitted: dict[str, float] = {}
 
     def start_prefill(self) -> None:
         self.prefill = WorkerProcess("prefill", self.config, self.log_dir,
@@ -142,10 +143,30 @@ class PDCluster:
             self.results[rid] = {"request_id": rid, "finish_reason": "error", "output_token_ids": [], "error": why}
         return {rid: self.results[rid] for rid in request_ids}
 
+    def wait_admitted(self, request_ids: list[str], timeout_s: float) -> bool:
+        """Wait until the decode side admitted these requests (or they ended)."""
+        deadline = time.monotonic() + timeout_s
+        while not set(request_ids) <= set(self.admitted) | set(self.results):
+            if time.monotonic() > deadline:
+                return False
+            try:
+                ch, msg = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._on(ch, msg)
+        return True
+
+    def kill_prefill(self) -> None:
+        """SIGKILL the prefill worker (fault tests)."""
+        if self.prefill is not None:
+            self.prefill.kill()
+
     def _on(self, ch: protocol.Channel, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if kind == "result":
             self.results[msg["request_id"]] = msg
+        elif kind == "admitted":
+            self.admitted[msg["request_id"]] = msg["t_admitted"]
         elif kind == "prefilled":
             self.first_token[msg["request_id"]] = msg["t_first_token"]
         elif kind == "stats":

@@ -155,7 +155,7 @@ class RemoteKV:
             try:
                 nbytes = self.transport.read(peer, ops, self.timeout_s)
             except Exception as e:  # noqa: BLE001 - any transport failure ends these requests, never the batch
-                self.peer_lost(peer, f"{type(e).__name__}: {e}")
+                # The peer is not declared dead for one failed read: its control connection closing does that.
                 self._fail(seqs, f"reading KV blocks from prefill peer {peer} failed: {type(e).__name__}: {e}")
                 continue
             with self.lock:

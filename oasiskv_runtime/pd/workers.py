@@ -75,12 +75,15 @@ def _log(role: str, msg: str) -> None:
 
 class PrefillWorker:
     def __init__(self, config: EngineConfig, decode_addr: str, transfer: str = "rpf", transport: str = "nixl",
-                 host: str = "127.0.0.1", port: int = 0, preloaded: tuple | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 0, preloaded: tuple | None = None,
+                 send_state: bool = True) -> None:
+        """``send_state``: hand off the sparse state (summaries, working-set map); False for a dense decode
+        peer, which needs only the KV."""
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
         from oasiskv_runtime.pd.transport import make_transport
 
-        self.config, self.transfer = config, transfer
+        self.config, self.transfer, self.send_state = config, transfer, send_state
         self.engine = LLMEngine(config, preloaded)
         self.name = f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.transport = make_transport(transport, self.name, host=host)
@@ -127,7 +130,7 @@ class PrefillWorker:
         n = -(-len(seq.prompt_token_ids) // bs)
         admit = None
         state = None
-        if self.transfer == "rpf" or self.config.mode.is_sparse:
+        if self.send_state:
             state = st.state
         if self.transfer == "rpf":
             tail = [n - 1] if len(seq.prompt_token_ids) % bs else []
@@ -304,6 +307,8 @@ class DecodeWorker:
             h["summary_bytes"] = protocol.packed_bytes(h["state"]) if h["state"] is not None else 0
             h.pop("state")
             self.running[seq.seq_id], self.seqs[seq.seq_id] = h, seq
+            for ch in list(self.subscribers):
+                ch.send({"type": "admitted", "request_id": h["request_id"], "t_admitted": h["t_admitted"]})
             if seq.is_finished:
                 self._finished(seq)
 
@@ -401,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not a.peer:
                 ap.error("--peer HOST:PORT (the decode worker) is required for the prefill role")
-            w = PrefillWorker(prefill_config(config), a.peer, a.transfer, a.transport, a.host, a.port)
+            w = PrefillWorker(prefill_config(config), a.peer, a.transfer, a.transport, a.host, a.port,
+                              send_state=config.mode.is_sparse)
     except Exception:
         traceback.print_exc()
         return 2
