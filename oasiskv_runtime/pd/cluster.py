@@ -25,14 +25,14 @@ from oasiskv_runtime.sampling_params import SamplingParams
 
 class WorkerProcess:
     def __init__(self, role: str, config: EngineConfig, log_dir: Path, extra: list[str], env: dict[str, str],
-                 start_timeout_s: float) -> None:
+                 start_timeout_s: float, prefix: list[str] | None = None) -> None:
         self.role = role
         log_dir.mkdir(parents=True, exist_ok=True)
         ready = log_dir / f"{role}.addr"
         ready.unlink(missing_ok=True)
         self.log_path = log_dir / f"{role}.log"
         self.log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "oasiskv_runtime.pd.workers", "--role", role,
+        cmd = [*(prefix or []), sys.executable, "-m", "oasiskv_runtime.pd.workers", "--role", role,
                "--config", json.dumps(config.to_dict()), "--ready-file", str(ready), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env})
         deadline = time.monotonic() + start_timeout_s
@@ -75,7 +75,9 @@ class PDCluster:
 
     def __init__(self, config: EngineConfig, transfer: str = "rpf", transport: str = "nixl", log_dir: Path | None = None,
                  threads: int = 1, read_timeout_s: float = 10.0, start_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, roles: dict[str, dict[str, Any]] | None = None) -> None:
+        """``roles``: per role ("prefill", "decode") ``host`` to listen on, a command ``prefix`` (e.g.
+        ``["ip", "netns", "exec", "ns0"]``) and extra ``env``: the two-namespace test runs them apart."""
         check_pd_config(config)
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
@@ -86,10 +88,11 @@ class PDCluster:
         self.log_dir = Path(log_dir) if log_dir else Path(os.environ.get("TMPDIR", "/tmp")) / f"oasiskv-pd-{os.getpid()}"
         self.common = ["--transport", transport, "--threads", str(threads), "--timeout", str(read_timeout_s)]
         self.env = env or {}
+        self.roles = roles or {}
         self.start_timeout_s = start_timeout_s
         self.inbox: queue.Queue = queue.Queue()
         self._stats: dict[str, dict[str, Any]] = {}
-        self.decode = WorkerProcess("decode", config, self.log_dir, self.common, self.env, start_timeout_s)
+        self.decode = self._spawn("decode", [])
         self.decode_ch = protocol.connect(self.decode.address, name="decode")
         self.decode_ch.send({"type": "subscribe"})
         protocol.start_reader(self.decode_ch, self.inbox)
@@ -102,11 +105,15 @@ class PDCluster:
         self.admitted: dict[str, float] = {}
 
     def start_prefill(self) -> None:
-        self.prefill = WorkerProcess("prefill", self.config, self.log_dir,
-                                     self.common + ["--peer", self.decode.address, "--transfer", self.transfer],
-                                     self.env, self.start_timeout_s)
+        self.prefill = self._spawn("prefill", ["--peer", self.decode.address, "--transfer", self.transfer])
         self.prefill_ch = protocol.connect(self.prefill.address, name="prefill")
         protocol.start_reader(self.prefill_ch, self.inbox)
+
+    def _spawn(self, role: str, extra: list[str]) -> WorkerProcess:
+        r = self.roles.get(role, {})
+        host = ["--host", r["host"]] if "host" in r else []
+        return WorkerProcess(role, self.config, self.log_dir, self.common + host + extra,
+                             {**self.env, **r.get("env", {})}, self.start_timeout_s, r.get("prefix"))
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                forced_output_ids: list[int] | None = None) -> None:

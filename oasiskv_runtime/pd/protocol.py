@@ -83,7 +83,7 @@ class Channel:
             return None
         try:
             return pickle.loads(self.conn.recv_bytes())
-        except (OSError, ConnectionResetError) as e:
+        except (OSError, TypeError) as e:  # TypeError: the connection was closed under this reader
             raise EOFError(str(e)) from e
 
     def close(self) -> None:

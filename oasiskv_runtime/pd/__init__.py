@@ -1,0 +1,1 @@
+"""Prefill-decode (PD) disaggregation. ``transport``: moving KV bytes between a prefill and a decode process."""
