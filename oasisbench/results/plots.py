@@ -207,3 +207,44 @@ def write_plots(run: Run, out_dir: Path | None = None) -> list[Path]:
     written = [plot_metric_vs_concurrency(run, metric, ylabel, target / name) for name, metric, ylabel in LINE_PLOTS]
     written.append(plot_roofline(run, target / ROOFLINE_PNG))
     return [p for p in written if p is not None]
+
+
+PD_BANDWIDTH_PNG = "pd_bandwidth.png"
+PD_BYTES_PNG = "pd_bytes_per_request.png"
+
+
+def write_pd_plots(run_dir: Path, records: list[Record]) -> list[Path]:
+    """``oasisbench pd``: the KV-read bandwidth timeline of every point (from its timeline-*.json), and the
+    bytes each request moved at admission and during decode per (mode, transfer, context)."""
+    import json
+
+    out = []
+    series = sorted(Path(run_dir).glob("timeline-*.json"))
+    if series:
+        fig = _new_figure(8, 4)
+        ax = fig.add_subplot(1, 1, 1)
+        for path in series:
+            pts = json.loads(path.read_text())
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=path.stem.removeprefix("timeline-"))
+        ax.set_xlabel("seconds since the point's first KV read (50 ms bins)")
+        ax.set_ylabel("KV read bandwidth (GB/s)")
+        ax.set_title("prefill -> decode KV traffic")
+        ax.legend(fontsize="small")
+        out.append(_save(fig, Path(run_dir) / PD_BANDWIDTH_PNG))
+    rows = [r for r in records if metric_value(r, "admission_bytes_per_request") is not None]
+    if rows:
+        fig = _new_figure(8, 4)
+        ax = fig.add_subplot(1, 1, 1)
+        labels = [f"{r['point']['mode']}\n{r['point']['transfer']} {r['point']['context_len']}" for r in rows]
+        adm = [metric_value(r, "admission_bytes_per_request") / 2**20 for r in rows]
+        dec = [(metric_value(r, "decode_fetch_bytes_per_request") or 0) / 2**20 for r in rows]
+        xs = range(len(rows))
+        ax.bar(xs, adm, label="at admission")
+        ax.bar(xs, dec, bottom=adm, label="during decode (RPF misses)")
+        ax.set_xticks(list(xs), labels, fontsize="small")
+        ax.set_ylabel("MiB per request")
+        ax.set_title("KV bytes moved per request")
+        ax.legend(fontsize="small")
+        out.append(_save(fig, Path(run_dir) / PD_BYTES_PNG))
+    return out

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
-from oasiskv_runtime.attention.ref import attend, causal_allowed
+from oasiskv_runtime.attention.ref import attend, attend_prefill, causal_allowed
+from oasiskv_runtime.ops.common import host_list_to
 
 
 class PagedKVCache:
@@ -47,10 +48,16 @@ class PagedKVCache:
 class DenseAttention:
     """Writes each step's KV into the paged cache, then attends causally over each request's context."""
 
+    device_prefill: bool | None = None
+    """Prefill rows attend without host round trips: block ids uploaded once per step (not once per layer, a
+    blocking copy each), a chunk that is the whole sequence attends over its own rows, no [nq, nk] mask
+    (:func:`attend_prefill`). None: on CUDA. The CPU path is the reference arithmetic (parity tests)."""
+
     def __init__(self, cache: PagedKVCache, scale: float) -> None:
         self.cache = cache
         self.scale = scale
         self.meta: StepMetadata | None = None
+        self._ctx_ids: dict[int, torch.Tensor] = {}
 
     def begin_step(self, meta: StepMetadata) -> None:
         self.meta = meta
@@ -65,6 +72,7 @@ class DenseAttention:
             self._per_seq = [s for s in meta.seqs if s not in decode]
         else:
             self._per_seq = meta.seqs
+        self._ctx_ids = {}
 
     def _paged_batch(self, decode: list[SeqSlice], device: torch.device) -> tuple:
         bs = self.cache.block_size
@@ -84,8 +92,12 @@ class DenseAttention:
         rows = self._write_rows
         self.cache.write(layer_idx, meta.slot_mapping[rows], k[rows], v[rows])
         out = torch.empty_like(q)
+        device_path = self.device_prefill if self.device_prefill is not None else q.is_cuda
         for s in self._per_seq:
             qs = slice(s.query_start, s.query_start + s.num_query)
+            if device_path:
+                self._attend_seq_device(layer_idx, s, q, k, v, out)
+                continue
             ks, vs = self.cache.gather(layer_idx, s.block_table, s.context_len)
             allowed = causal_allowed(s.num_query, s.context_len, q.device) if s.num_query > 1 else None
             out[qs] = attend(q[qs], ks, vs, self.scale, allowed)
@@ -101,6 +113,24 @@ class DenseAttention:
                                           local, local_len, self.scale)
             out[r] = res[:, 0]
         return out
+
+    def _attend_seq_device(self, layer: int, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor) -> None:
+        """The per-sequence path of :meth:`forward` with device ops only (same inputs, same outputs)."""
+        qs = slice(s.query_start, s.query_start + s.num_query)
+        if s.num_query == s.context_len:  # the chunk is the whole context: its own rows, no gather
+            ks, vs = k[qs], v[qs]
+        else:
+            ids = self._ctx_ids.get(s.seq_id)
+            if ids is None:
+                nb = -(-s.context_len // self.cache.block_size)
+                ids = self._ctx_ids[s.seq_id] = host_list_to(s.block_table[:nb], torch.long, q.device)
+            ks = self.cache.k[layer].index_select(0, ids).flatten(0, 1)[:s.context_len]
+            vs = self.cache.v[layer].index_select(0, ids).flatten(0, 1)[:s.context_len]
+        out[qs] = attend_prefill(q[qs], ks, vs, self.scale)
+        if s.draft_row is not None:
+            d = s.draft_row
+            out[d:d + 1] = attend(q[d:d + 1], torch.cat([ks, k[d:d + 1]]), torch.cat([vs, v[d:d + 1]]), self.scale)
 
     def end_step(self) -> None:
         self.meta = None

@@ -49,3 +49,71 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     if q.is_cuda:
         return attend_fast(q, k, v, scale, allowed)
     return attend_ref(q, k, v, scale, allowed)
+
+
+_LOWER_RIGHT_FLASH: dict[tuple, bool] = {}
+
+
+def _flash_lower_right(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, scale: float) -> torch.Tensor:
+    """Flash attention with ``is_causal=True`` on [1, H, n, D] tensors: for nq < nk FlashAttention-2 aligns
+    the causal diagonal to the bottom right (query i sees keys <= nk - nq + i), which is what chunked prefill
+    needs; GQA is native (fewer K/V heads). The same call ``torch.nn.attention.bias.causal_lower_right``
+    dispatches to."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, True, False, scale=scale)[0]
+
+
+def _lower_right_flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the flash path applies (half precision, head_dim a multiple of 8 up to 256) and, checked once
+    per (device, dtype, head_dim, group), computes the bottom-right causal mask: a build whose flash kernel
+    aligned the diagonal differently would fall back to the explicit mask instead of giving wrong outputs."""
+    d = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+        return False
+    key = (q.device, q.dtype, d, q.shape[1] // k.shape[1])
+    ok = _LOWER_RIGHT_FLASH.get(key)
+    if ok is None:
+        import torch.nn.functional as F
+
+        g = key[3]
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        qs = torch.randn(1, 2 * g, 5, d, device=q.device, generator=gen).to(q.dtype)
+        ks = torch.randn(1, 2, 37, d, device=q.device, generator=gen).to(q.dtype)
+        vs = torch.randn(1, 2, 37, d, device=q.device, generator=gen).to(q.dtype)
+        mask = causal_allowed(5, 37, q.device)
+        try:
+            got = _flash_lower_right(qs, ks, vs, d ** -0.5).float()
+            want = F.scaled_dot_product_attention(qs.float(), ks.float().repeat_interleave(g, 1),
+                                                  vs.float().repeat_interleave(g, 1), attn_mask=mask,
+                                                  scale=d ** -0.5)
+            ok = bool(((got - want).norm() / want.norm()) < 2e-2)
+        except Exception:  # noqa: BLE001 - no usable flash kernel in this build: the masked path is correct
+            ok = False
+        _LOWER_RIGHT_FLASH[key] = ok
+    return ok
+
+
+def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the LAST ``nq`` positions of an ``nk``-token sequence (a prefill chunk over its
+    context: query i sees keys ``0 .. nk - nq + i``); q [nq, Hq, D], k/v [nk, Hkv, D] -> [nq, Hq, D].
+
+    CPU: :func:`attend_ref` with the explicit ``causal_allowed`` mask (bit-parity with transformers). CUDA:
+    no ``[nq, nk]`` mask is built when it can be avoided: a chunk that is the whole sequence uses SDPA's
+    ``is_causal``; a later chunk uses flash attention's bottom-right causal mode (memory O(nq + nk), never
+    ``[Hq, nq, nk]`` scores); float32 (no flash) falls back to SDPA with the boolean mask.
+    """
+    nq, nk = q.shape[0], k.shape[0]
+    if not q.is_cuda:
+        return attend_ref(q, k, v, scale, causal_allowed(nq, nk, q.device) if nq > 1 else None)
+    if nq == 1:
+        return attend_fast(q, k, v, scale)
+    import torch.nn.functional as F
+
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if nq == nk:
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+    elif _lower_right_flash_ok(q, k):
+        out = _flash_lower_right(q4, k4, v4, scale)
+    else:
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_allowed(nq, nk, q.device), scale=scale,
+                                             enable_gqa=True)
+    return out[0].transpose(0, 1)

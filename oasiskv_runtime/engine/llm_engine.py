@@ -318,6 +318,7 @@ class LLMEngine:
             "prediction_recall": None,
             "recall_per_layer": None,
             "random_weights": self.model_config.random_weights,
+            "kv_bytes_per_token": self.block_bytes // self.config.cache.block_size,
             "num_prefill_steps": st.num_prefill_steps,
             "prefill_step_seconds": st.prefill_step_seconds,
             "decode_step_seconds": st.decode_step_seconds,

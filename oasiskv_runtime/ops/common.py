@@ -1,8 +1,10 @@
-"""Helpers every op module shares: launch-size rounding and the lazy Triton check."""
+"""Helpers every op module shares: launch-size rounding, the lazy Triton check, sync-free small uploads."""
 
 from __future__ import annotations
 
 from typing import Callable
+
+import torch
 
 
 def next_pow2(x: int) -> int:
@@ -18,3 +20,16 @@ def loads(loader: Callable[[], object]) -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure means "use the reference"
         return False
+
+
+def host_list_to(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without a host sync on CUDA.
+
+    ``torch.tensor(data, device="cuda")`` copies from pageable memory and then waits for the whole stream
+    (a blocking copy), so every call in a layer loop stalls the host until the GPU has caught up. Here the
+    list goes through pinned memory and a non-blocking copy, ordered on the current stream (the caching
+    host allocator keeps the pinned buffer alive until the copy has run)."""
+    t = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

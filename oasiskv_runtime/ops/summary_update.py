@@ -33,7 +33,7 @@ import torch
 
 from oasiskv_runtime.ops.common import loads, next_pow2
 
-__all__ = ["update_summaries", "update_summaries_ref"]
+__all__ = ["update_summaries", "update_summaries_ref", "update_summaries_grouped"]
 
 triton = None
 tl = None
@@ -90,6 +90,39 @@ def update_summaries_ref(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.T
         cur_max.scatter_reduce_(0, idx, k, reduce="amax", include_self=True)
     fmin.index_copy_(0, uniq, cur_min)
     fmax.index_copy_(0, uniq, cur_max)
+
+
+#: Largest chunk :func:`update_summaries_grouped` takes: its [T, T] token comparison stays <= 64 MiB.
+GROUPED_MAX_TOKENS = 8192
+
+
+def update_summaries_grouped(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor,
+                             sum_min: torch.Tensor, sum_max: torch.Tensor) -> None:
+    """:func:`update_summaries_ref`'s result (bit for bit: min and max are exact) with no host sync, for a
+    prefill chunk on the GPU: no ``torch.unique`` and no boolean indexing, whose output sizes depend on the
+    data. Tokens that share a row are grouped by a [T, T] comparison (a 2,048-token chunk: 4 MiB of bools);
+    each group reduces into its first token's slot, and every token then writes its group's value (duplicate
+    rows write identical values, so the write order does not matter)."""
+    T, Hkv, D = _check(k_new, rows, reset, sum_min, sum_max)
+    if T == 0:
+        return
+    fmin = sum_min.view(-1, Hkv, D)
+    fmax = sum_max.view(-1, Hkv, D)
+    dev = fmin.device
+    k = k_new.to(device=dev, dtype=fmin.dtype)
+    rows = rows.to(dev, torch.int64)
+    reset = reset.to(dev, torch.bool)
+    same = rows[:, None] == rows[None, :]                                  # [T, T]
+    first = same.to(torch.uint8).argmax(dim=1)                             # first token of each token's row
+    fresh = (same & reset[None, :]).any(dim=1)                             # a resetting token hits the row
+    inf = torch.finfo(fmin.dtype).max
+    cur_min = torch.where(fresh[:, None, None], inf, fmin.index_select(0, rows))
+    cur_max = torch.where(fresh[:, None, None], -inf, fmax.index_select(0, rows))
+    idx = first.view(T, 1, 1).expand(T, Hkv, D)
+    cur_min.scatter_reduce_(0, idx, k, reduce="amin", include_self=True)
+    cur_max.scatter_reduce_(0, idx, k, reduce="amax", include_self=True)
+    fmin.index_copy_(0, rows, cur_min.index_select(0, first))
+    fmax.index_copy_(0, rows, cur_max.index_select(0, first))
 
 
 def _kernels():
@@ -150,10 +183,15 @@ def update_summaries(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tenso
     """Fold new keys into the block summaries in place (see the module docstring).
 
     The Triton kernel needs distinct ``rows``; with ``assume_distinct=None`` this is
-    checked (a host sync) and repeated rows go to :func:`update_summaries_ref`.
+    checked (a host sync) and repeated rows go to :func:`update_summaries_ref`. A caller that
+    passes ``assume_distinct=False`` (rows may repeat: prefill) gets, on CUDA, the sync-free
+    :func:`update_summaries_grouped`.
     """
     if backend not in ("auto", "triton", "ref"):
         raise ValueError(f"unknown backend {backend!r}")
+    if assume_distinct is False and backend == "auto" and sum_min.is_cuda and rows.shape[0] <= GROUPED_MAX_TOKENS:
+        update_summaries_grouped(k_new, rows, reset, sum_min, sum_max)  # a prefill chunk: no host sync
+        return
     use_triton = backend == "triton" or (
         backend == "auto" and sum_min.is_cuda and _triton_available())
     if use_triton and not assume_distinct:

@@ -28,6 +28,10 @@ Two kernels, one launch each (grid = n copies x {K, V}):
 
 ``uva_gather_ref`` is the plain-torch reference: index_select on the host, one bulk
 ``.to(device)``, ``index_copy_`` into the flat ``[blocks * block_size * Hkv, D]`` view.
+
+``uva_gather_blocks`` (reference ``uva_gather_blocks_ref``) reads a sequence's first tokens from
+whole blocks of the pool into a contiguous ``[rows, Hkv, D]`` device tensor with the same kernel:
+what prefill attention over a host-pool context reads, without a host sync.
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ import torch
 
 from oasiskv_runtime.ops.common import loads, next_pow2
 
-__all__ = ["uva_gather", "uva_gather_ref", "build_cuda_extension"]
+__all__ = ["uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
+           "build_cuda_extension"]
 
 triton = None
 tl = None
@@ -302,6 +307,66 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                 raise
             err = e
     raise RuntimeError(f"uva_gather: no backend could run ({err})")
+
+
+def _rows_out(host_k: torch.Tensor, num_tokens: int, out_rows: int | None) -> int:
+    rows = num_tokens if out_rows is None else int(out_rows)
+    if num_tokens < 0 or rows < num_tokens:
+        raise ValueError(f"out_rows ({out_rows}) must be >= num_tokens ({num_tokens}) >= 0")
+    return rows
+
+
+def uva_gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, blocks: torch.Tensor, num_tokens: int,
+                          out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`uva_gather_blocks`: ``index_select`` of whole blocks where the pool lives, one bulk
+    ``.to(blocks.device)``; rows ``>= num_tokens`` of the result are left unset."""
+    rows = _rows_out(host_k, num_tokens, out_rows)
+    _, BS, H, D = host_k.shape
+    nb = -(-num_tokens // BS)
+    if nb > blocks.numel():
+        raise ValueError(f"{num_tokens} tokens need {nb} blocks, got {blocks.numel()}")
+    ids = blocks[:nb].to(host_k.device, torch.int64)
+    out = []
+    for h in (host_k, host_v):
+        vals = h.index_select(0, ids).flatten(0, 1)[:num_tokens].to(blocks.device)
+        if rows > num_tokens:
+            buf = torch.empty((rows, H, D), dtype=h.dtype, device=blocks.device)
+            buf[:num_tokens] = vals
+            vals = buf
+        out.append(vals)
+    return out[0], out[1]
+
+
+def uva_gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, blocks: torch.Tensor, num_tokens: int,
+                      out_rows: int | None = None, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first ``num_tokens`` keys and values, read from whole blocks of a pinned host pool, as
+    contiguous ``[out_rows, Hkv, D]`` tensors on ``blocks.device`` (rows ``>= num_tokens`` are left unset, so
+    a caller can append rows it already holds without a concatenation).
+
+    ``host_k/host_v``: ``[num_blocks, block_size, Hkv, D]``; ``blocks``: the sequence's block table (at least
+    ``ceil(num_tokens / block_size)`` entries; int64/int32, on the target device). On CUDA this is ONE
+    :func:`uva_gather` launch (one (block, head) copy per program, read straight from pinned memory over
+    PCIe), ordered on the current stream: no host synchronisation and no host-side read of the pool, so GPU
+    writes to the pool earlier on the stream (:func:`uva_scatter_rows`) are seen. ``backend``: as
+    :func:`uva_gather` (``"auto"`` on a CPU ``blocks`` is the reference).
+    """
+    rows = _rows_out(host_k, num_tokens, out_rows)
+    if backend == "ref" or (backend == "auto" and not blocks.is_cuda):
+        return uva_gather_blocks_ref(host_k, host_v, blocks, num_tokens, out_rows)
+    _, BS, H, D = host_k.shape
+    dev = blocks.device
+    nb = -(-num_tokens // BS)
+    if nb > blocks.numel():
+        raise ValueError(f"{num_tokens} tokens need {nb} blocks, got {blocks.numel()}")
+    alloc = max(nb, -(-rows // BS))  # whole blocks are copied: room for the last one's unused rows
+    out_k = torch.empty((alloc, BS, H, D), dtype=host_k.dtype, device=dev)
+    out_v = torch.empty((alloc, BS, H, D), dtype=host_v.dtype, device=dev)
+    if nb:
+        src = blocks[:nb].to(torch.int64)[:, None].expand(nb, H).reshape(-1)
+        dst = torch.arange(nb, device=dev)[:, None].expand(nb, H).reshape(-1)
+        heads = torch.arange(H, device=dev)[None, :].expand(nb, H).reshape(-1)
+        uva_gather(host_k, host_v, out_k, out_v, src, dst, heads, backend=backend)
+    return out_k.view(-1, H, D)[:rows], out_v.view(-1, H, D)[:rows]
 
 
 def uva_scatter_rows_ref(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
