@@ -113,7 +113,7 @@ def pd_cmd(
         from oasisbench.results.plots import write_pd_plots
 
         write_pd_plots(store.path, records)
-    console.print(str(store.path))
+    typer.echo(str(store.path))  # the last line, unwrapped: scripts read it
     if any(r["metrics"].get("failed") for r in records):
         raise typer.Exit(1)
 
