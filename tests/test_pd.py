@@ -35,12 +35,13 @@ def tiny(tmp_path_factory):
 class InProcessPD:
     """Both workers on threads of this process (shared weights), and a client channel to each."""
 
-    def __init__(self, model: str, mode: str, transfer: str, **kw) -> None:
+    def __init__(self, model: str, mode: str, transfer: str, prefix_cache: bool = False, **kw) -> None:
         cfg = EngineConfig.from_overrides(model, mode=mode, **kw)
         self.decode = DecodeWorker(cfg, "tcp")
         e = self.decode.engine
         self.prefill = PrefillWorker(prefill_config(cfg), self.decode.address, transfer, "tcp",
-                                     preloaded=(e.model, e.tokenizer, e.model_config), send_state=cfg.mode.is_sparse)
+                                     preloaded=(e.model, e.tokenizer, e.model_config), send_state=cfg.mode.is_sparse,
+                                     prefix_cache=prefix_cache)
         self.threads = [threading.Thread(target=w.serve, daemon=True) for w in (self.decode, self.prefill)]
         for t in self.threads:
             t.start()
@@ -292,6 +293,32 @@ def test_pd_across_network_namespaces(tiny, tmp_path, netns_pair):
     llm = LLM(tiny, mode="oasiskv", **SMALL)
     assert got["tokens"] == [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:2]]
     assert got["bytes_read"] > 0 and rx() - rx0 >= got["bytes_read"], "the KV bytes did not cross the veth"
+
+
+@pytest.mark.parametrize("mode,transfer,top_k", [("dense", "full", 3), ("oasiskv", "rpf", 64)])
+def test_prefix_cache_skips_shared_blocks_and_keeps_outputs(tiny, mode, transfer, top_k):
+    shared = [(11 * i + 5) % 390 + 5 for i in range(60)]  # 15 blocks of 4 tokens
+    prompts = [shared + [7, 8, 9, 10, 11], shared + [300, 301, 302], shared[:30] + [42] * 9]
+    kw = dict(SMALL, top_k_blocks=top_k)
+    llm = LLM(tiny, mode=mode, **kw)
+    single = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    pd = InProcessPD(tiny, mode, transfer, prefix_cache=True, **kw)
+    try:
+        res = pd.run(prompts, GREEDY, one_at_a_time=True)
+        deadline = time.monotonic() + 30
+        while pd.prefill.engine.staged and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pool = pd.prefill.engine.kv.host_pool
+        cache = pd.prefill.cache
+        # Staged requests are gone; only the cache holds blocks, and it can give them all back.
+        assert pool.num_blocks - pool.num_free == len(cache.owned) and not cache.refs
+        cache.evict(pool.num_blocks)
+        assert pool.num_free == pool.num_blocks
+    finally:
+        pd.close()
+    assert [res[f"r{i}"]["output_token_ids"] for i in range(3)] == single
+    hits = [res[f"r{i}"]["metrics"]["prefix_hit_tokens"] for i in range(3)]
+    assert hits == [0, 60, 28]  # whole shared blocks only; the third shares 7 full blocks
 
 
 # ---- the CLI --------------------------------------------------------------------------------------------

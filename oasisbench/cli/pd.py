@@ -46,6 +46,9 @@ def pd_cmd(
     peer: Annotated[str, typer.Option("--peer", help="prefill role: the decode worker's HOST:PORT.")] = "",
     host: Annotated[str, typer.Option("--host", help="worker roles: address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="worker roles: control port (0: any).")] = 0,
+    shared_prefix: Annotated[int, typer.Option("--shared-prefix", help="Tokens every prompt shares (a multi-turn "
+                                               "trace): runs each point with the prefill-side prefix cache off "
+                                               "and on; TTFT is over the requests after the first.")] = 0,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds before an unfinished point's requests "
                                            "count as failed.")] = 1800.0,
     output_dir: OutputDirOpt = Path("results"),
@@ -85,7 +88,7 @@ def pd_cmd(
         points, notes = plan(mode_list, transfers, context_lens=ctxs, output_len=output_len,
                              num_requests=num_requests, model=model, device=dev, dtype=dt, top_k_blocks=top_k_blocks,
                              fetch_ratio=fetch_ratio, draft=draft, block_size=block_size, seed=seed,
-                             kv_cache_gb=kv_cache_gb, transport=transport)
+                             kv_cache_gb=kv_cache_gb, transport=transport, shared_prefix=shared_prefix)
         from oasiskv_runtime.config import EngineConfig
         from oasiskv_runtime.models.loader import resolve
         from oasiskv_runtime.pd.workers import check_pd_config
@@ -143,7 +146,7 @@ def _run_worker(role, model, modes, transfers, dev, dt, seed, top_k, ratio, draf
 
 def summary_table(records: list[dict]) -> Table:
     t = Table(title="prefill-decode")
-    cols = ["mode", "transfer", "ctx", "done", "out tok/s", "TTFT ms", "TPOT ms", "admit KiB/req", "decode KiB/req",
+    cols = ["mode", "transfer", "ctx", "prefix$", "done", "out tok/s", "TTFT ms", "TPOT ms", "admit KiB/req", "decode KiB/req",
             "full/admit", "dup reads", "bw med/peak GB/s"]
     for c in cols:
         t.add_column(c, justify="right")
@@ -154,7 +157,7 @@ def summary_table(records: list[dict]) -> Table:
     for r in records:
         p, m = r["point"], r["metrics"]
         kib = lambda v: None if v is None else v / 1024  # noqa: E731
-        t.add_row(p["mode"], p["transfer"], str(p["context_len"]), f"{m.get('completed', 0)}/{p['num_requests']}",
+        t.add_row(p["mode"], p["transfer"], str(p["context_len"]), "on" if p.get("prefix_cache") else "off", f"{m.get('completed', 0)}/{p['num_requests']}",
                   f(m.get("output_throughput")), f(m.get("median_ttft_ms")), f(m.get("median_tpot_ms")),
                   f(kib(m.get("admission_bytes_per_request"))), f(kib(m.get("decode_fetch_bytes_per_request"))),
                   f(m.get("admission_reduction"), "{:.2f}x"), str(m.get("duplicate_block_reads", "-")),

@@ -45,6 +45,9 @@ class PDPoint:
     seed: int
     kv_cache_gb: float | None = None
     transport: str = "nixl"
+    shared_prefix: int = 0
+    """Tokens every prompt shares (a multi-turn trace): the first request goes alone, the rest after it."""
+    prefix_cache: bool = False
 
     def as_point(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -65,7 +68,8 @@ def plan(modes: list[str], transfers: list[str], **common: Any) -> tuple[list[PD
                     if ctx == common.get("first_ctx", ctx):
                         notes.append(f"skipped {mode} x rpf: remote partial fetching needs a sparse host-pool mode")
                     continue
-                points.append(PDPoint(mode=mode, transfer=transfer, context_len=ctx, **common))
+                for cache in ([False, True] if common.get("shared_prefix") else [False]):
+                    points.append(PDPoint(mode=mode, transfer=transfer, context_len=ctx, prefix_cache=cache, **common))
     return points, sorted(set(notes))
 
 
@@ -93,13 +97,20 @@ def run_point(p: PDPoint, log_dir: Path, timeout_s: float) -> dict[str, Any]:
                                      block_size=p.block_size, kv_cache_gb=p.kv_cache_gb,
                                      max_num_seqs=max(1, p.num_requests))
     cfg = EngineConfig.from_overrides(p.model, device=p.device, dtype=p.dtype, mode=p.mode, seed=p.seed, **overrides)
-    prompts = make_prompts(p.num_requests, p.context_len - p.output_len, model_config_for(p.model)[0].vocab_size, p.seed)
+    vocab = model_config_for(p.model)[0].vocab_size
+    prompts = make_prompts(p.num_requests, p.context_len - p.output_len, vocab, p.seed)
+    if p.shared_prefix:
+        if p.shared_prefix >= p.context_len - p.output_len:
+            raise ValueError(f"shared_prefix {p.shared_prefix} must be shorter than the prompt")
+        prompts = [prompts[0][:p.shared_prefix] + q[p.shared_prefix:] for q in prompts]
     params = SamplingParams(max_tokens=p.output_len, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(p.num_requests)]
-    with PDCluster(cfg, p.transfer, p.transport, log_dir=log_dir) as cluster:
+    with PDCluster(cfg, p.transfer, p.transport, log_dir=log_dir, prefix_cache=p.prefix_cache) as cluster:
         t0 = time.time()
-        for rid, prompt in zip(ids, prompts):
+        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
             cluster.submit(rid, prompt, params)
+            if p.shared_prefix and i == 0:  # the first turn goes alone; the others follow it
+                cluster.wait_admitted([rid], timeout_s)
         results = cluster.collect(ids, timeout_s)
         duration = max([r.get("t_finished") or time.time() for r in results.values()]) - t0
         stats = cluster.stats()
@@ -120,7 +131,9 @@ def point_metrics(p: PDPoint, prompts: list[list[int]], results: dict[str, dict]
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "errors": [e for e in errors if e][:5],
     }
-    m.update(_stats("ttft", [(r["t_first_token"] - r["t_submit"]) * 1e3 for r in done
+    # With a shared prefix the first request runs alone and computes it: TTFT is over the followers.
+    followers = [r for r in done if not (p.shared_prefix and r["request_id"] == "r0")]
+    m.update(_stats("ttft", [(r["t_first_token"] - r["t_submit"]) * 1e3 for r in followers
                              if r.get("t_first_token") and r.get("t_submit")]))
     m.update(_stats("handoff", [(r["t_admitted"] - r["t_first_token"]) * 1e3 for r in done
                                 if r.get("t_admitted") and r.get("t_first_token")]))
@@ -131,7 +144,8 @@ def point_metrics(p: PDPoint, prompts: list[list[int]], results: dict[str, dict]
         vals = [x[key] for x in ms if x.get(key) is not None]
         return float(np.mean(vals)) if vals else None
 
-    for key in ("admission_bytes", "admission_kv_bytes", "summary_bytes", "decode_fetch_bytes", "decode_host_bytes"):
+    for key in ("admission_bytes", "admission_kv_bytes", "summary_bytes", "decode_fetch_bytes", "decode_host_bytes",
+                "prefix_hit_tokens"):
         m[f"{key}_per_request"] = mean(key)
     full_kv = _full_kv_bytes(p, stats)
     m["full_kv_bytes_per_request"] = full_kv

@@ -30,6 +30,8 @@ class RequestBlocks:
     host_blocks: list[int] = field(default_factory=list)
     ws_blocks: list[int] = field(default_factory=list)
     summary_blocks: list[int] = field(default_factory=list)
+    num_shared_host: int = 0
+    """The first host blocks belong to a prefix cache (prefill-decode, prefill side): never freed here."""
 
     @property
     def num_device_blocks(self) -> int:
@@ -110,7 +112,16 @@ class KVCacheManager:
         if rb is None:
             return
         self.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
-        self.host_pool.free(rb.host_blocks)
+        self.host_pool.free(rb.host_blocks[rb.num_shared_host:])
+
+    def attach_prefix(self, seq: Sequence, host_blocks: list[int]) -> None:
+        """Start a waiting request with KV already in these host blocks (a prefix-cache hit): its first
+        ``len(host_blocks)`` blocks are shared, read-only, and not freed with the request."""
+        if not self.mode.uses_host_pool:
+            raise ValueError("prefix blocks live in the host pool: a host-pool mode is needed")
+        if seq.seq_id in self.requests:
+            raise ValueError("attach_prefix before the request's first allocation")
+        self.requests[seq.seq_id] = RequestBlocks(host_blocks=list(host_blocks), num_shared_host=len(host_blocks))
 
     def detach_host_blocks(self, seq: Sequence) -> list[int]:
         """Take a request's host blocks out of its bookkeeping without freeing them (prefill-decode: the

@@ -127,14 +127,25 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival: float | None = None, stage_kv: bool = False) -> Sequence:
+                    arrival: float | None = None, stage_kv: bool = False,
+                    prefix: tuple[list[int], torch.Tensor, torch.Tensor] | None = None) -> Sequence:
         """Queue a request. ``stage_kv`` (prefill-decode, prefill side): when it finishes, keep its prompt KV
-        in the host pool (``self.staged``) until :meth:`release_staged`."""
+        in the host pool (``self.staged``) until :meth:`release_staged`. ``prefix``: a prefix-cache hit,
+        (host blocks holding the prompt's first blocks, their key summaries min / max ``[L, n, Hkv, D]``):
+        only the rest of the prompt is computed."""
         if stage_kv and not self.config.mode.uses_host_pool:
             raise ValueError(f"staging KV for a decode peer needs a host-pool mode, not {self.config.mode.value}")
         seq = self._new_sequence(prompt_token_ids, params, request_id, arrival)
         seq.stage_kv = stage_kv
         self.scheduler.add(seq)
+        if prefix is not None:
+            blocks, summary_min, summary_max = prefix
+            n = len(blocks) * self.config.cache.block_size
+            if not blocks or n >= len(prompt_token_ids):
+                raise ValueError("a prefix hit must cover whole blocks and leave at least one prompt token")
+            self.kv.attach_prefix(seq, blocks)
+            seq.num_computed_tokens = n
+            self.backend.pending_prefix[seq.seq_id] = (summary_min, summary_max)
         return seq
 
     def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
@@ -150,13 +161,14 @@ class LLMEngine:
         return Sequence(prompt_token_ids, params, request_id, arrival)
 
     # ---- prefill-decode hand-off ---------------------------------------------------------------------
-    def release_staged(self, request_id: str) -> bool:
-        """Free a staged request's host blocks (its decode peer finished with it). False if unknown."""
+    def release_staged(self, request_id: str, keep: set[int] | frozenset[int] = frozenset()) -> StagedKV | None:
+        """Free a staged request's host blocks (its decode peer finished with it), except those in ``keep``
+        (a prefix cache owns them). None if unknown."""
         st = self.staged.pop(request_id, None)
         if st is None:
-            return False
-        self.kv.free_host_blocks(st.host_blocks)
-        return True
+            return None
+        self.kv.free_host_blocks([b for b in st.host_blocks if b not in keep])
+        return st
 
     def import_request(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
                        request_id: str, state: dict | None, load_kv, arrival: float | None = None,

@@ -23,6 +23,18 @@ from oasiskv_runtime.pd.workers import TRANSFERS, check_pd_config
 from oasiskv_runtime.sampling_params import SamplingParams
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it when the launching process dies, so an interrupted
+    ``oasisbench pd`` leaves no worker holding ports and pinned memory."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class WorkerProcess:
     def __init__(self, role: str, config: EngineConfig, log_dir: Path, extra: list[str], env: dict[str, str],
                  start_timeout_s: float, prefix: list[str] | None = None) -> None:
@@ -34,7 +46,8 @@ class WorkerProcess:
         self.log = open(self.log_path, "ab")
         cmd = [*(prefix or []), sys.executable, "-m", "oasiskv_runtime.pd.workers", "--role", role,
                "--config", json.dumps(config.to_dict()), "--ready-file", str(ready), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + start_timeout_s
         while not ready.exists():
             if self.proc.poll() is not None:
@@ -75,7 +88,8 @@ class PDCluster:
 
     def __init__(self, config: EngineConfig, transfer: str = "rpf", transport: str = "nixl", log_dir: Path | None = None,
                  threads: int = 1, read_timeout_s: float = 10.0, start_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, roles: dict[str, dict[str, Any]] | None = None) -> None:
+                 env: dict[str, str] | None = None, roles: dict[str, dict[str, Any]] | None = None,
+                 prefix_cache: bool = False) -> None:
         """``roles``: per role ("prefill", "decode") ``host`` to listen on, a command ``prefix`` (e.g.
         ``["ip", "netns", "exec", "ns0"]``) and extra ``env``: the two-namespace test runs them apart."""
         check_pd_config(config)
@@ -89,6 +103,7 @@ class PDCluster:
         self.common = ["--transport", transport, "--threads", str(threads), "--timeout", str(read_timeout_s)]
         self.env = env or {}
         self.roles = roles or {}
+        self.prefix_cache = prefix_cache
         self.start_timeout_s = start_timeout_s
         self.inbox: queue.Queue = queue.Queue()
         self._stats: dict[str, dict[str, Any]] = {}
@@ -105,7 +120,8 @@ class PDCluster:
         self.admitted: dict[str, float] = {}
 
     def start_prefill(self) -> None:
-        self.prefill = self._spawn("prefill", ["--peer", self.decode.address, "--transfer", self.transfer])
+        self.prefill = self._spawn("prefill", ["--peer", self.decode.address, "--transfer", self.transfer]
+                                   + (["--prefix-cache"] if self.prefix_cache else []))
         self.prefill_ch = protocol.connect(self.prefill.address, name="prefill")
         protocol.start_reader(self.prefill_ch, self.inbox)
 

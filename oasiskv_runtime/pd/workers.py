@@ -76,9 +76,9 @@ def _log(role: str, msg: str) -> None:
 class PrefillWorker:
     def __init__(self, config: EngineConfig, decode_addr: str, transfer: str = "rpf", transport: str = "nixl",
                  host: str = "127.0.0.1", port: int = 0, preloaded: tuple | None = None,
-                 send_state: bool = True) -> None:
+                 send_state: bool = True, prefix_cache: bool = False) -> None:
         """``send_state``: hand off the sparse state (summaries, working-set map); False for a dense decode
-        peer, which needs only the KV."""
+        peer, which needs only the KV. ``prefix_cache``: reuse staged prompt blocks across requests."""
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
         from oasiskv_runtime.pd.transport import make_transport
@@ -98,24 +98,42 @@ class PrefillWorker:
         self.clients: dict[str, tuple[protocol.Channel, dict]] = {}
         self.stop = False
         self.handed_off = 0
+        self.cache = None
+        if prefix_cache:
+            from oasiskv_runtime.pd.prefix_cache import PrefixCache
+
+            self.cache = PrefixCache(config.cache.block_size, self.engine.kv.host_pool)
+        self.cache_refs: dict[str, list[int]] = {}  # request id -> cached blocks it references
 
     def handle(self, ch: protocol.Channel, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if kind == "request":
             params = dict(msg["params"])
+            prompt, rid = msg["prompt_token_ids"], msg["request_id"]
+            hit = None
             try:
-                seq = self.engine.add_request(msg["prompt_token_ids"], SamplingParams(**{**params, "max_tokens": 1}),
-                                              msg["request_id"], stage_kv=True)
+                if self.cache is not None:
+                    self.cache.evict(-(-len(prompt) // self.config.cache.block_size))
+                    hit = self.cache.lookup(prompt)
+                    if hit is not None:
+                        self.cache.acquire(hit[0])
+                        self.cache_refs[rid] = list(hit[0])
+                seq = self.engine.add_request(prompt, SamplingParams(**{**params, "max_tokens": 1}), rid,
+                                              stage_kv=True, prefix=hit)
                 seq.forced_output_ids = msg.get("forced_output_ids")
+                msg["prefix_hit_tokens"] = len(hit[0]) * self.config.cache.block_size if hit else 0
             except ValueError as e:
+                self._release_cache(rid)
                 ch.send({"type": "result", "request_id": msg["request_id"], "output_token_ids": [],
                          "finish_reason": "error", "error": f"prefill rejected the request: {e}"})
                 return
             self.clients[msg["request_id"]] = (ch, {**msg, "t_prefill_start": time.time()})
         elif kind == "free":
-            self.engine.release_staged(msg["request_id"])
+            self.release(msg["request_id"])
         elif kind == "stats":
             ch.send({"type": "stats", "role": "prefill", "staged": len(self.engine.staged),
+                     "prefix_cache_blocks": len(self.cache.entries) if self.cache else None,
+                     "prefix_cache_hits": self.cache.hits if self.cache else None,
                      "host_blocks_free": self.engine.kv.host_pool.num_free, "handed_off": self.handed_off,
                      "engine": self.engine.run_stats()})
         elif kind == "shutdown":
@@ -123,6 +141,15 @@ class PrefillWorker:
         elif kind == "_closed" and ch is self.decode:
             _log("prefill", "decode peer closed the connection")
             self.stop = True
+
+    def release(self, request_id: str) -> None:
+        """The decode side is done with a request: free its staged blocks (the cache keeps its own)."""
+        self.engine.release_staged(request_id, keep=self.cache.owned if self.cache else frozenset())
+        self._release_cache(request_id)
+
+    def _release_cache(self, request_id: str) -> None:
+        if self.cache is not None:
+            self.cache.release(self.cache_refs.pop(request_id, []))
 
     def handoff(self, seq: Sequence, req: dict[str, Any]) -> dict[str, Any]:
         st = self.engine.staged[seq.request_id]
@@ -143,7 +170,8 @@ class PrefillWorker:
                 "prompt_token_ids": seq.prompt_token_ids, "first_token": seq.output_token_ids[0],
                 "params": req["params"], "forced_output_ids": req.get("forced_output_ids"),
                 "remote_blocks": st.host_blocks[:n], "admit": admit, "state": packed_state,
-                "t_submit": req.get("t_submit"), "t_first_token": time.time()}
+                "t_submit": req.get("t_submit"), "t_first_token": time.time(),
+                "prefix_hit_tokens": req.get("prefix_hit_tokens", 0)}
 
     def serve(self) -> None:
         _log("prefill", f"{self.name} serving at {self.address} (transport {self.transport.kind})")
@@ -163,9 +191,14 @@ class PrefillWorker:
 
     def _finished(self, seq: Sequence) -> None:
         ch, req = self.clients.pop(seq.request_id)
+        st = self.engine.staged.get(seq.request_id)
+        if self.cache is not None and st is not None and st.state is not None:
+            held = self.cache.insert(seq.prompt_token_ids, st.host_blocks, st.state["summary_min"],
+                                     st.state["summary_max"])
+            self.cache_refs.setdefault(seq.request_id, []).extend(held)
         done = seq.finish_reason == "stop" or req["params"].get("max_tokens", 16) <= 1
         if done:  # nothing to decode: answer here
-            self.engine.release_staged(seq.request_id)
+            self.release(seq.request_id)
             ch.send({"type": "result", "request_id": seq.request_id, "output_token_ids": seq.output_token_ids,
                      "finish_reason": seq.finish_reason, "t_first_token": time.time(), "t_finished": time.time()})
             return
@@ -173,13 +206,13 @@ class PrefillWorker:
             msg = self.handoff(seq, req)
         except Exception as e:  # noqa: BLE001 - one bad hand-off must not take the worker down
             traceback.print_exc()
-            self.engine.release_staged(seq.request_id)
+            self.release(seq.request_id)
             ch.send({"type": "result", "request_id": seq.request_id, "output_token_ids": seq.output_token_ids,
                      "finish_reason": "error", "error": f"hand-off failed: {type(e).__name__}: {e}"})
             return
         ch.send({"type": "prefilled", "request_id": seq.request_id, "t_first_token": msg["t_first_token"]})
         if not self.decode.send(msg):
-            self.engine.release_staged(seq.request_id)
+            self.release(seq.request_id)
             ch.send({"type": "result", "request_id": seq.request_id, "output_token_ids": seq.output_token_ids,
                      "finish_reason": "error", "error": "decode peer unreachable"})
             return
@@ -354,6 +387,7 @@ class DecodeWorker:
         m["admission_bytes"] = h.get("admission_bytes", 0) + h.get("summary_bytes", 0)
         m["admission_kv_bytes"] = h.get("admission_bytes", 0)
         m["summary_bytes"] = h.get("summary_bytes", 0)
+        m["prefix_hit_tokens"] = h.get("prefix_hit_tokens", 0)
         m["decode_fetch_bytes"] = req.decode_bytes if req is not None else 0
         m["decode_host_bytes"] = (sum(len(v) for v in req.blocks_read.values()) * 2 * self.block_bytes
                                   if req is not None else m["admission_kv_bytes"])
@@ -396,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="deadline of one KV read (s)")
     ap.add_argument("--ready-file", help="write HOST:PORT here once serving")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--prefix-cache", action="store_true", help="prefill role: reuse staged prompt blocks")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -407,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             if not a.peer:
                 ap.error("--peer HOST:PORT (the decode worker) is required for the prefill role")
             w = PrefillWorker(prefill_config(config), a.peer, a.transfer, a.transport, a.host, a.port,
-                              send_state=config.mode.is_sparse)
+                              send_state=config.mode.is_sparse, prefix_cache=a.prefix_cache)
     except Exception:
         traceback.print_exc()
         return 2

@@ -97,6 +97,8 @@ class SparseAttention:
         self.remote = None
         """Prefill-decode, decode side: ``oasiskv_runtime.pd.remote.RemoteKV``; host blocks it marks absent
         are read from the prefill peer before they are copied to the device (a cache miss)."""
+        self.pending_prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Prefix-cache hits: key summaries of a request's shared first blocks, written at its first step."""
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_rows))
         self.ready: set[int] = set()
@@ -119,6 +121,7 @@ class SparseAttention:
             self.stats.per_request[seq_id]["fetched_blocks"] += int(self.dev_req_fetched[row])
             self.dev_req_fetched[row] = 0
         self.ready.discard(seq_id)
+        self.pending_prefix.pop(seq_id, None)
         if self.remote is not None:
             self.remote.forget(seq_id)
         if self.mode.uses_host_pool:
@@ -131,6 +134,13 @@ class SparseAttention:
         table, bs = self.kv.requests[seq_id].summary_blocks, self.bs
         return torch.tensor([table[j // bs] * bs + j % bs for j in range(num_blocks)], dtype=torch.long,
                             device=self.device)
+
+    def _write_summaries(self, seq_id: int, summary_min: torch.Tensor, summary_max: torch.Tensor) -> None:
+        """Key summaries ``[L, n, Hkv, D]`` of a request's first n logical blocks into its summary rows."""
+        idx = self._summary_index(seq_id, summary_min.shape[1])
+        for layer in range(self.num_layers):
+            for t, src in ((self.dev_cache.k[layer], summary_min), (self.dev_cache.v[layer], summary_max)):
+                t.view(-1, self.hkv, self.head_dim)[idx] = src[layer].to(self.device, t.dtype)
 
     def export_request(self, seq_id: int, context_len: int, step: int) -> dict:
         """What a decode peer needs to continue a request prefilled here exactly as this engine would: the
@@ -167,8 +177,6 @@ class SparseAttention:
         bs, dev = self.bs, self.device
         row = self._row(seq_id)
         rb = self.kv.requests[seq_id]
-        nb = -(-context_len // bs)
-        idx = self._summary_index(seq_id, nb)
         smap = state["slot_map"].to(dev)
         last = state["last_sel"].to(dev)
         self.slot_map[row] = smap
@@ -176,10 +184,8 @@ class SparseAttention:
         host_table = torch.tensor(rb.host_blocks, dtype=torch.long, device=dev)
         slot_blocks = torch.tensor(rb.ws_blocks[1:], dtype=torch.long, device=dev)
         used = context_len % bs
+        self._write_summaries(seq_id, state["summary_min"], state["summary_max"])
         for layer in range(self.num_layers):
-            for t, src in ((self.dev_cache.k[layer], state["summary_min"]), (self.dev_cache.v[layer],
-                                                                              state["summary_max"])):
-                t.view(-1, self.hkv, self.head_dim)[idx] = src[layer].to(dev, t.dtype)
             h, k = (smap[layer] >= 0).nonzero(as_tuple=True)
             plan = TransferPlan(layer, host_table[smap[layer][h, k]], slot_blocks[k], h)
             self.transfer.submit(plan)
@@ -205,6 +211,9 @@ class SparseAttention:
             for ev in self.xfer_done:
                 if ev is not None:
                     cur.wait_event(ev)
+        for s in meta.seqs:
+            if s.seq_id in self.pending_prefix:
+                self._write_summaries(s.seq_id, *self.pending_prefix.pop(s.seq_id))
         written = (meta.slot_mapping >= 0).nonzero().squeeze(1)
         self._written = written
         self._sum_rows, self._reset = self._summary_rows(meta, written)
