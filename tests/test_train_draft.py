@@ -91,3 +91,57 @@ def test_draft_vocab_is_most_frequent_and_padded():
     ids = choose_draft_vocab([7, 7, 7, 3, 3, 9], size=2, vocab=20)
     assert ids.tolist() == [3, 7]
     assert choose_draft_vocab([5, 5], size=3, vocab=10).tolist() == [0, 1, 5]
+
+
+def test_self_distillation_samples_are_generated_cached_and_scored(tiny, trained, tmp_path):
+    cfg = _cfg(tiny, tmp_path / "gen", steps=3, checkpoint_every=0, gen_samples=4, gen_eval_samples=2,
+               gen_prompt_tokens=40, gen_tokens=24, gen_batch=3, compare_head=trained[0])
+    res = train_draft(cfg, show_progress=False)
+    summary = json.loads((cfg.output / "train_summary.json").read_text())
+    assert summary["gen_train_samples"] == 4 and summary["gen_eval_samples"] == 2
+    # plain continuations ignore EOS, so each holds its excerpt plus all 24 new tokens
+    assert summary["gen_tokens"] >= 2 * (40 + 24)
+    assert summary["train_windows"] > 1024 // 64  # the essays' windows plus the generated ones
+    g = res.heldout_gen
+    assert 0 < g["positions"] <= 2 * 24  # generated tokens only, never the prompts
+    assert {"head_vs_target", "ngram_vs_text", "layerskip_vs_target"} <= set(g)
+    assert "layerskip_vs_text" in res.heldout
+    compare = summary["compare"]  # the other head, scored on the very same positions
+    assert compare["heldout"]["positions"] == res.heldout["positions"]
+    assert compare["heldout_gen"]["positions"] == g["positions"]
+    assert compare["heldout"]["ngram_vs_text"] == res.heldout["ngram_vs_text"]
+    rounds = sorted(p.name for p in (cfg.output / "cache").glob("gen-*.json"))
+    assert len(rounds) == 2  # 2 held-out + 4 training requests in rounds of 3
+    again = train_draft(cfg, show_progress=False)  # every round comes from the cache: identical text
+    assert again.heldout_gen == res.heldout_gen
+    assert json.loads((cfg.output / "train_summary.json").read_text())["gen_tokens"] == summary["gen_tokens"]
+
+
+def test_gen_requests_mix_plain_and_chat_greedy_and_sampled(tiny):
+    from oasisbench.runners.train_draft import gen_requests
+
+    tok = LLM(tiny).tokenizer
+    cfg = _cfg(tiny, Path("unused"), gen_prompt_tokens=16, gen_tokens=8)
+    reqs = gen_requests(tok, list(range(3, 300)), 8, cfg, seed=0)
+    kinds = [(len(ids) == 16, p["temperature"] > 0) for ids, p in reqs]
+    assert kinds[:4] == [(True, False), (False, False), (True, True), (False, True)]
+    assert all(not p["ignore_eos"] for ids, p in reqs if len(ids) != 16)  # chat answers stop at EOS
+    assert "Question:" in tok.decode(reqs[1][0])  # no chat template: the plain fallback format
+    greedy = gen_requests(tok, list(range(3, 300)), 8, cfg, seed=0, greedy_only=True)
+    assert all(p["temperature"] == 0.0 for _, p in greedy)
+
+
+def test_gen_time_limit_cuts_a_round_and_keeps_partial_samples(tiny, tmp_path, monkeypatch):
+    import itertools
+
+    import oasisbench.runners.train_draft as td
+
+    clock = itertools.count()  # a fake clock: every reading is one second later
+    monkeypatch.setattr(td.time, "monotonic", lambda: float(next(clock)))
+    cfg = _cfg(tiny, tmp_path / "cut", gen_prompt_tokens=20, gen_tokens=50, gen_batch=4, gen_time_limit_s=6.0)
+    reqs = td.gen_requests(LLM(tiny).tokenizer, list(range(3, 200)), 8, cfg, seed=0)
+    got = td.generate_samples(cfg, reqs, "cut", t0=0.0)
+    assert len(got) == 4  # the first round ran (cut short); the second never started
+    new = [len(ids) - plen for ids, plen in got]
+    assert all(n < 50 for n in new) and max(n for n in new) > 0
+    assert [ids[:plen] for ids, plen in got] == [ids for ids, _ in reqs[:4]]

@@ -24,14 +24,19 @@ def recall_cmd(
                                                      "context's blocks.")] = None,
     num_texts: Annotated[int, typer.Option("--num-texts", help="Essay windows (requests).")] = 2,
     num_steps: Annotated[int, typer.Option("--num-steps", help="Teacher-forced decode steps per text.")] = 32,
+    continuation: Annotated[str, typer.Option("--continuation", help="Comma list of forced continuations: "
+                                              "'self' (the model's own greedy tokens, as in serving) and/or "
+                                              "'text' (the essay's next tokens).")] = "self",
     fetch_ratio: Annotated[float, typer.Option("--fetch-ratio")] = 0.05,
+    proxy: Annotated[bool, typer.Option("--proxy/--no-proxy", help="Include the proxy-prefetch "
+                                        "baseline.")] = True,
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
     output_dir: Annotated[Path, typer.Option("--output-dir")] = Path("results"),
 ) -> None:
     """Measure how well each look-ahead predicts the next step's top-K blocks, per layer.
 
-    Example: oasisbench recall --context-len 2048,4096 --drafts ngram,layerskip,oracle
+    Example: oasisbench recall --context-len 2048,4096 --drafts ngram,layerskip,oracle --continuation self,text
     """
     from oasisbench.results.store import atomic_write_json
     from oasisbench.runners.recall import run_recall
@@ -41,10 +46,16 @@ def recall_cmd(
         ctxs = [int(x) for x in context_len.split(",") if x]
     except ValueError:
         raise fail(f"--context-len must be a comma list of integers, got {context_len!r}") from None
-    configs = [("proxy-prefetch", None)] + [("oasiskv", d) for d in drafts.split(",") if d]
+    configs = [("proxy-prefetch", None)] * proxy + [("oasiskv", d) for d in drafts.split(",") if d]
+    if not configs:
+        raise fail("nothing to measure: --no-proxy and no --drafts")
+    conts = tuple(c for c in continuation.split(",") if c)
+    if not conts:
+        raise fail("--continuation needs at least one of: self, text")
     console = Console()
     table = Table(title=f"prediction recall, {model}")
-    for col in ("context", "K", "mode", "draft", "recall", "min layer", "draft acc", "fetched KB/step"):
+    for col in ("context", "K", "continuation", "mode", "draft", "recall", "min layer", "draft acc",
+                "fetched KB/step"):
         table.add_column(col)
     run_dir = output_dir / "recall" / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     done = []
@@ -54,17 +65,17 @@ def recall_cmd(
         atomic_write_json(run_dir / "recall.json", {"schema_version": 1, "model": model, "device": device,
                                                      "points": done})
         layers = [r for r in p.recall_per_layer if r is not None]
-        table.add_row(str(p.context_len), str(p.top_k_blocks), p.mode, p.draft or "-",
+        table.add_row(str(p.context_len), str(p.top_k_blocks), p.continuation, p.mode, p.draft or "-",
                       f"{p.recall:.4f}" if p.recall is not None else "n/a",
                       f"{min(layers):.4f}" if layers else "n/a",
                       f"{p.draft_accuracy:.3f}" if p.draft_accuracy is not None else "-",
                       f"{p.fetched_bytes_per_step / 1024:.1f}")
-        console.print(f"done: ctx {p.context_len} {p.mode} {p.draft or ''} recall={p.recall}")
+        console.print(f"done: ctx {p.context_len} {p.continuation} {p.mode} {p.draft or ''} recall={p.recall}")
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         run_recall(model, ctxs, configs, top_k_blocks, num_texts, num_steps, fetch_ratio, device,
-                   default_dtype(dtype, device), on_point)
+                   default_dtype(dtype, device), on_point, conts)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise fail(str(e)) from None
     console.print(table)

@@ -42,6 +42,22 @@ def train_draft_cmd(
                                                    "OUTPUT/cache).")] = None,
     export: Annotated[Path | None, typer.Option("--export", help="Also write the final fp16 head "
                                                 "(config.json + model.safetensors) here.")] = None,
+    time_schedule: Annotated[bool, typer.Option("--time-schedule", help="With --time-limit: the LR schedule "
+                                                "also advances with time, so a stopped run ends at its "
+                                                "floor.")] = False,
+    gen_samples: Annotated[int, typer.Option("--gen-samples", help="Self-distillation: samples the target "
+                                             "generates from training-text excerpts (plain and chat, greedy "
+                                             "and sampled), added to the training text.")] = 0,
+    gen_prompt_tokens: Annotated[int, typer.Option("--gen-prompt-tokens", help="Excerpt length per "
+                                                   "sample.")] = 384,
+    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Most new tokens per sample.")] = 256,
+    gen_batch: Annotated[int, typer.Option("--gen-batch", help="Samples generated at once.")] = 512,
+    gen_time_limit: Annotated[float | None, typer.Option("--gen-time-limit", help="Stop generating after this "
+                                                         "many seconds (samples keep what they have).")] = None,
+    gen_eval_samples: Annotated[int, typer.Option("--gen-eval-samples", help="Greedy samples from holdout "
+                                                  "excerpts, scored but never trained on.")] = 0,
+    compare_head: Annotated[Path | None, typer.Option("--compare-head", help="Also score this existing head "
+                                                      "on the same held-out text.")] = None,
 ) -> None:
     """Train an EAGLE-3 head from the target's own outputs on the essays; use it as --draft eagle3:OUTPUT.
 
@@ -54,10 +70,17 @@ def train_draft_cmd(
                            holdout_tokens=holdout_tokens, seed=seed, device=default_device(device),
                            checkpoint_every=checkpoint_every, resume=resume, cache_dir=cache_dir,
                            intermediate_size=intermediate_size, export=export, eval_tokens=eval_tokens,
-                           time_limit_s=time_limit)
-    for name in ("steps", "batch_tokens", "draft_vocab", "seq_len", "num_train_tokens", "intermediate_size"):
+                           time_limit_s=time_limit, time_schedule=time_schedule, gen_samples=gen_samples,
+                           gen_prompt_tokens=gen_prompt_tokens, gen_tokens=gen_tokens, gen_batch=gen_batch,
+                           gen_time_limit_s=gen_time_limit, gen_eval_samples=gen_eval_samples,
+                           compare_head=compare_head)
+    for name in ("steps", "batch_tokens", "draft_vocab", "seq_len", "num_train_tokens", "intermediate_size",
+                 "gen_prompt_tokens", "gen_tokens", "gen_batch"):
         if getattr(cfg, name) <= 0:
             raise fail(f"--{name.replace('_', '-')} must be positive")
+    for name in ("gen_samples", "gen_eval_samples"):
+        if getattr(cfg, name) < 0:
+            raise fail(f"--{name.replace('_', '-')} must not be negative")
     try:
         res = train_draft(cfg)
     except (ValueError, FileNotFoundError, ImportError) as e:
@@ -73,9 +96,12 @@ def train_draft_cmd(
     for s, loss, acc in rows:
         curve.add_row(str(s), f"{loss:.4f}", f"{acc:.3f}")
     console.print(curve)
-    h = res.heldout
-    console.print(f"held-out ({h['positions']} positions) next-token accuracy: head {h['head_vs_target']:.3f} vs "
-                  f"target greedy ({h['head_vs_text']:.3f} vs text); ngram {h['ngram_vs_target']:.3f} "
-                  f"({h['ngram_vs_text']:.3f} vs text)")
+    for title, h in (("held-out essay text", res.heldout), ("held-out self-generated text", res.heldout_gen)):
+        if not h:
+            continue
+        drafts = [d for d in ("head", "ngram", "layerskip") if f"{d}_vs_target" in h]
+        console.print(f"{title} ({h['positions']} positions), next-token accuracy vs the target's greedy token "
+                      f"(vs the text): " + "; ".join(f"{d} {h[d + '_vs_target']:.3f} ({h[d + '_vs_text']:.3f})"
+                                                     for d in drafts))
     console.print(f"head: {output / 'model.safetensors'} ({res.head_bytes / 1e6:.2f} MB fp16), "
                   f"{res.step} steps, {res.wall_s:.0f} s")
