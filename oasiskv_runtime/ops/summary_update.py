@@ -57,6 +57,16 @@ def _check(k_new, rows, reset, sum_min, sum_max):
     return T, Hkv, D
 
 
+def _flat(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor, sum_min: torch.Tensor,
+          sum_max: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Row views of the summary tensors and the inputs on their device and dtypes."""
+    hkv, d = k_new.shape[1], k_new.shape[2]
+    fmin, fmax = sum_min.view(-1, hkv, d), sum_max.view(-1, hkv, d)
+    dev = fmin.device
+    return (fmin, fmax, k_new.to(device=dev, dtype=fmin.dtype), rows.to(dev, torch.int64),
+            reset.to(dev, torch.bool))
+
+
 def update_summaries_ref(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor,
                          sum_min: torch.Tensor, sum_max: torch.Tensor) -> None:
     """Plain-PyTorch reference; any number of tokens may hit the same row.
@@ -67,12 +77,8 @@ def update_summaries_ref(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.T
     T, Hkv, D = _check(k_new, rows, reset, sum_min, sum_max)
     if T == 0:
         return
-    fmin = sum_min.view(-1, Hkv, D)
-    fmax = sum_max.view(-1, Hkv, D)
+    fmin, fmax, k, rows, reset = _flat(k_new, rows, reset, sum_min, sum_max)
     dev = fmin.device
-    k = k_new.to(device=dev, dtype=fmin.dtype)
-    rows = rows.to(dev, torch.int64)
-    reset = reset.to(dev, torch.bool)
     uniq, inv = torch.unique(rows, return_inverse=True)
     cur_min, cur_max = fmin.index_select(0, uniq), fmax.index_select(0, uniq)       # [U, Hkv, D]
     # A row that a resetting token hits starts from that block's first key, not from stale contents.
@@ -106,12 +112,8 @@ def update_summaries_grouped(k_new: torch.Tensor, rows: torch.Tensor, reset: tor
     T, Hkv, D = _check(k_new, rows, reset, sum_min, sum_max)
     if T == 0:
         return
-    fmin = sum_min.view(-1, Hkv, D)
-    fmax = sum_max.view(-1, Hkv, D)
+    fmin, fmax, k, rows, reset = _flat(k_new, rows, reset, sum_min, sum_max)
     dev = fmin.device
-    k = k_new.to(device=dev, dtype=fmin.dtype)
-    rows = rows.to(dev, torch.int64)
-    reset = reset.to(dev, torch.bool)
     same = rows[:, None] == rows[None, :]                                  # [T, T]
     first = same.to(torch.uint8).argmax(dim=1)                             # first token of each token's row
     fresh = (same & reset[None, :]).any(dim=1)                             # a resetting token hits the row
