@@ -29,13 +29,13 @@ DEVICE=${DEVICE:-cuda}
 CTX_A=${CTX_A:-2048} TEXTS_A=${TEXTS_A:-4}   # windows: the first 8192 essay tokens = both heads' holdout
 CTX_B=${CTX_B:-4096} TEXTS_B=${TEXTS_B:-2}
 BASELINES=${BASELINES:-0}         # 1: also proxy-prefetch, ngram, oracle and the shipped head, beside training
-TRAIN_LIMIT=${TRAIN_LIMIT:-380}   # train-draft's --time-limit, counted from its own start
-GEN_LIMIT=${GEN_LIMIT:-150}       # generation stops here (samples keep what they have)
+TRAIN_LIMIT=${TRAIN_LIMIT:-330}   # train-draft's --time-limit, counted from its own start
+GEN_LIMIT=${GEN_LIMIT:-130}       # generation stops here (samples keep what they have)
 GEN_SAMPLES=${GEN_SAMPLES:-960}   # + GEN_EVAL held-out = 2 rounds of 512
 GEN_EVAL=${GEN_EVAL:-64}
 GEN_TOKENS=${GEN_TOKENS:-256}
 RECALL_LIMIT=${RECALL_LIMIT:-300} # per baseline recall invocation
-HEAD_RECALL_LIMIT=${HEAD_RECALL_LIMIT:-100}
+HEAD_RECALL_LIMIT=${HEAD_RECALL_LIMIT:-120}
 DEADLINE=${DEADLINE:-500}         # stop waiting for the baselines this many seconds after the start
 BATCH_TOKENS=${BATCH_TOKENS:-8192}
 NUM_TRAIN=${NUM_TRAIN:-200000}    # more than the essays hold after the holdout: all of them
@@ -96,9 +96,10 @@ tail -n 30 /tmp/logs/train-draft.log
 
 if [ -f $RUN/model.safetensors ]; then
   tar cf "$OUT/head.tar" -C $RUN config.json model.safetensors train_summary.json train.log
-  RECALL_LIMIT=$HEAD_RECALL_LIMIT recall head $CTX_A $TEXTS_A eagle3:$RUN --no-proxy &
+  HD=eagle3:$RUN,ngram+eagle3:$RUN,ngram+eagle3:$HEAD  # new head, and the hybrids (n-gram on full matches)
+  RECALL_LIMIT=$HEAD_RECALL_LIMIT recall head $CTX_A $TEXTS_A $HD --no-proxy --continuation self &
   H1=$!
-  RECALL_LIMIT=$HEAD_RECALL_LIMIT recall head $CTX_B $TEXTS_B eagle3:$RUN --no-proxy &
+  RECALL_LIMIT=$HEAD_RECALL_LIMIT recall head $CTX_B $TEXTS_B $HD --no-proxy --continuation self &
   H2=$!
   wait $H1 $H2
 fi

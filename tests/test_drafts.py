@@ -76,3 +76,28 @@ def test_unknown_draft_and_oracle_without_truth(tiny):
         LLM(tiny, mode="oasiskv", draft="oracle").generate(PROMPTS[:1], GREEDY)
     with pytest.raises(ValueError, match="layerskip"):
         LLM(tiny, mode="oasiskv", draft="layerskip:9")
+
+
+def test_hybrid_takes_ngram_on_a_full_match_and_the_other_draft_elsewhere():
+    from oasiskv_runtime.drafts.sources import HybridDraft
+    from oasiskv_runtime.engine.sequence import Sequence
+
+    class Fixed:
+        name, capture_layers = "fixed", ()
+
+        def propose(self, seqs):
+            return {s.seq_id: 99 for s in seqs}
+
+        def observe(self, meta, captured):
+            pass
+
+        def free(self, seq_id):
+            pass
+
+    hybrid = HybridDraft(NgramDraft(3), Fixed())
+    repeat = Sequence([5, 6, 7, 8, 5, 6, 7], SamplingParams())   # "5 6 7" seen before -> 8
+    short = Sequence([5, 6, 1, 2, 3, 6], SamplingParams())       # only a 1-token match -> the other draft
+    fresh = Sequence([1, 2, 3, 4], SamplingParams())             # no match at all
+    out = hybrid.propose([repeat, short, fresh])
+    assert out == {repeat.seq_id: 8, short.seq_id: 99, fresh.seq_id: 99}
+    assert hybrid.name == "ngram:3+fixed"

@@ -35,7 +35,7 @@ def test_full_budget_equals_dense(tiny, dense_tokens, mode):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
 
 
-@pytest.mark.parametrize("draft", ["layerskip:2", "oracle"])
+@pytest.mark.parametrize("draft", ["layerskip:2", "oracle", "ngram+layerskip:2"])
 def test_full_budget_equals_dense_with_other_drafts(tiny, dense_tokens, draft):
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=draft)
     forced = dense_tokens if draft == "oracle" else None

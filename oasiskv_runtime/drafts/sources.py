@@ -10,6 +10,7 @@ Drafts are never accepted here (the target's own token is always kept), so a dra
 - ``model:<path>``: a small model sharing the tokenizer, with its own dense KV.
 - ``eagle3:<path>``: an EAGLE-3 head (public HF layout) fed the target's low/mid/high hidden states.
 - ``oracle``: the true next token, from teacher forcing (measurement only).
+- ``ngram[:N]+<draft>``: the n-gram guess where an N-token suffix repeats, the other draft elsewhere.
 """
 
 from __future__ import annotations
@@ -68,23 +69,49 @@ class NgramDraft(_NoObserve):
                 if i - n >= 0:
                     table[tuple(tokens[i - n:i])] = i
         self._last_state = (len(tokens), table)
+        self.last_match = 0
         for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
             nxt = table.get(tuple(tokens[-n:]))
             if nxt is not None:
+                self.last_match = n
                 return tokens[nxt]
         return None
 
-    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+    def propose(self, seqs: list[Sequence], min_match: int = 1) -> dict[int, int]:
+        """Guesses whose suffix match is at least ``min_match`` tokens long."""
         out = {}
         for s in seqs:
             t = self.propose_one(s.all_token_ids, self.index.get(s.seq_id))
             self.index[s.seq_id] = self._last_state
-            if t is not None:
+            if t is not None and self.last_match >= min_match:
                 out[s.seq_id] = t
         return out
 
     def free(self, seq_id: int) -> None:
         self.index.pop(seq_id, None)
+
+
+class HybridDraft:
+    """``ngram+<draft>``: the n-gram guess where the request's own text repeats a long enough suffix
+    (``ngram[:N]`` with a full N-token match, cheap and usually right in repetitive text), the other draft
+    (e.g. an EAGLE-3 head) elsewhere. The other draft still observes every step, so its state stays whole."""
+
+    def __init__(self, ngram: NgramDraft, other: Any) -> None:
+        self.ngram, self.other = ngram, other
+        self.name = f"{ngram.name}+{other.name}"
+        self.capture_layers = other.capture_layers
+
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        out = self.other.propose(seqs)
+        out.update(self.ngram.propose(seqs, min_match=self.ngram.max_n))
+        return out
+
+    def observe(self, meta: Any, captured: dict[int, torch.Tensor]) -> None:
+        self.other.observe(meta, captured)
+
+    def free(self, seq_id: int) -> None:
+        self.ngram.free(seq_id)
+        self.other.free(seq_id)
 
 
 class OracleDraft(_NoObserve):
@@ -241,6 +268,12 @@ class Eagle3Source:
 
 def make_draft_source(spec: str, engine: LLMEngine) -> Any:
     """Build a draft source from its name (see module docstring)."""
+    head, plus, rest = spec.partition("+")
+    if plus:
+        first = make_draft_source(head, engine)
+        if not isinstance(first, NgramDraft) or "+" in rest:
+            raise ValueError(f"hybrid draft {spec!r}: write ngram[:N]+<draft>")
+        return HybridDraft(first, make_draft_source(rest, engine))
     kind, _, arg = spec.partition(":")
     mc = engine.model_config
     device = torch.device(engine.config.device)
@@ -268,4 +301,4 @@ def make_draft_source(spec: str, engine: LLMEngine) -> Any:
             raise ValueError("eagle3 draft needs a path: eagle3:<path>")
         return Eagle3Source(arg, engine)
     raise ValueError(f"unknown draft source {spec!r}; choose ngram[:N], layerskip[:N], model:<path>, "
-                     "eagle3:<path> or oracle")
+                     "eagle3:<path>, oracle, or ngram[:N]+<one of those>")
