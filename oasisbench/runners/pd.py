@@ -74,7 +74,8 @@ def plan(modes: list[str], transfers: list[str], **common: Any) -> tuple[list[PD
 
 
 def bandwidth(timeline: list[tuple[float, int]], t0: float | None = None) -> dict[str, Any]:
-    """Median and peak read bandwidth (GB/s) over 50 ms bins between the first and last read."""
+    """Median (over the 50 ms bins in which bytes moved) and peak read bandwidth, GB/s, and the series of
+    every bin from the first read to the last."""
     if not timeline:
         return {"net_bw_median_gbps": None, "net_bw_peak_gbps": None, "net_timeline": []}
     ts = np.array([t for t, _ in timeline])
@@ -83,7 +84,8 @@ def bandwidth(timeline: list[tuple[float, int]], t0: float | None = None) -> dic
     idx = ((ts - start) / TIMELINE_BIN_S).astype(int)
     bins = np.bincount(idx, weights=bs) / TIMELINE_BIN_S / 1e9
     series = [[float(i * TIMELINE_BIN_S), float(v)] for i, v in enumerate(bins)]
-    return {"net_bw_median_gbps": float(np.median(bins)), "net_bw_peak_gbps": float(bins.max()),
+    busy = bins[bins > 0]
+    return {"net_bw_median_gbps": float(np.median(busy)), "net_bw_peak_gbps": float(bins.max()),
             "net_timeline": series}
 
 
