@@ -203,13 +203,14 @@ def test_separate_processes_over_nixl_equal_single_engine(tiny, tmp_path):
             c.submit(f"r{i}", p, GREEDY)
             res.update(c.collect([f"r{i}"], 120))
         deadline = time.monotonic() + 30
-        stats = c.stats()
+        stats = c.stats(with_log=True)
         while stats["prefill"]["staged"] and time.monotonic() < deadline:  # "free" may trail the result
             time.sleep(0.1)
-            stats = c.stats()
+            stats = c.stats(with_log=True)
     assert [res[f"r{i}"]["output_token_ids"] for i in range(len(PROMPTS))] == single
     log = [tuple(e) for e in stats["decode"]["transfer_log"]]
     assert log and max(collections.Counter(log).values()) == 1
+    assert stats["decode"]["duplicate_block_reads"] == 0 and stats["decode"]["block_reads"] == len(log)
     assert stats["prefill"]["staged"] == 0  # every staged prompt was freed when its request finished
 
 

@@ -13,7 +13,6 @@ Cross-process latencies use wall-clock stamps of one machine; on two hosts they 
 
 from __future__ import annotations
 
-import collections
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,10 +158,8 @@ def point_metrics(p: PDPoint, prompts: list[list[int]], results: dict[str, dict]
                 "resident_gpu_bytes_per_request", "fetched_bytes_per_step", "draft_accuracy", "num_steps"):
         m[f"decode_{key}" if not key.startswith("num_pre") else key] = eng.get(key)
     m["decode_host_bytes_total"] = sum(x.get("decode_host_bytes") or 0 for x in ms)
-    log = [tuple(e) for e in dec.get("transfer_log", [])]
-    counts = collections.Counter(log)
-    m["block_reads"] = len(log)
-    m["duplicate_block_reads"] = sum(c - 1 for c in counts.values())
+    m["block_reads"] = dec.get("block_reads")
+    m["duplicate_block_reads"] = dec.get("duplicate_block_reads")
     m.update(bandwidth(dec.get("bytes_timeline", [])))
     m["transport_bytes_read"] = dec.get("bytes_read")
     return m

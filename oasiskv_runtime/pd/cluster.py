@@ -201,12 +201,13 @@ class PDCluster:
                     self.results[rid] = {"request_id": rid, "finish_reason": "error", "output_token_ids": [],
                                          "error": "prefill worker died before handing the request off"}
 
-    def stats(self, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
-        """Counters of both workers (the decode side's transfer log, bytes timeline, per-request records)."""
+    def stats(self, timeout_s: float = 30.0, with_log: bool = False) -> dict[str, dict[str, Any]]:
+        """Counters of both workers (bytes timeline, per-request records, the at-most-once check; the decode
+        side's whole transfer log with ``with_log``)."""
         self._stats = {}
         roles = []
         for role, ch, proc in (("decode", self.decode_ch, self.decode), ("prefill", self.prefill_ch, self.prefill)):
-            if proc is not None and proc.alive and ch.send({"type": "stats"}):
+            if proc is not None and proc.alive and ch.send({"type": "stats", "log": with_log}):
                 roles.append(role)
         deadline = time.monotonic() + timeout_s
         while set(roles) - set(self._stats) and time.monotonic() < deadline:

@@ -277,7 +277,7 @@ class DecodeWorker:
         elif kind == "subscribe":
             self.subscribers.append(ch)
         elif kind == "stats":
-            ch.send(self.stats())
+            ch.send(self.stats(with_log=bool(msg.get("log"))))
         elif kind == "shutdown":
             self.stop = True
         elif kind == "_closed":
@@ -292,9 +292,16 @@ class DecodeWorker:
                     self.pending.remove(h)
                     self._publish(h, [], "error", f"prefill peer {ch.peer} died before the request was admitted")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, with_log: bool = False) -> dict[str, Any]:
+        """Counters; the at-most-once check is done here over the whole transfer log (one entry per block
+        and layer read), which is sent only when asked for (it grows with every block that crosses)."""
+        import collections
+
         log = self.remote.log if self.remote is not None else []
-        return {"type": "stats", "role": "decode", "engine": self.engine.run_stats(), "transfer_log": log,
+        counts = collections.Counter(log)
+        return {"type": "stats", "role": "decode", "engine": self.engine.run_stats(),
+                "block_reads": len(log), "duplicate_block_reads": sum(c - 1 for c in counts.values()),
+                "transfer_log": log if with_log else None,
                 "bytes_timeline": self.transport.timeline(),
                 "bytes_read": getattr(self.transport, "bytes_read", None), "requests": self.done}
 
