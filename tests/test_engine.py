@@ -103,3 +103,20 @@ def test_bad_input_errors(tiny_path, tmp_path):
         LLM(str(bad))
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM(tiny_path).generate(["text"], GREEDY)  # the tiny checkpoint ships no tokenizer
+
+
+def test_stop_string_cuts_at_its_first_occurrence(tmp_path):
+    from tests.tiny_models import write_tiny_tokenizer
+
+    path = write_tiny(tmp_path / "m", "llama")
+    write_tiny_tokenizer(path)
+    llm = LLM(str(path))
+    free = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 12, text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                                                               stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]

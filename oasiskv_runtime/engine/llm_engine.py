@@ -301,11 +301,18 @@ class LLMEngine:
         if not p.ignore_eos and token in self.eos_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            for s in p.stop:
-                if s in text:
-                    seq.text = text[: text.index(s)]
-                    return "stop"
+            # Only the newest tokens can complete a stop string (an earlier one would have stopped an earlier
+            # step): decode a tail long enough to hold the longest one (every token is at least one character
+            # or a byte of one), and the whole output only to cut it. Decoding everything every step was
+            # quadratic in the output length.
+            window = 4 * max(len(s) for s in p.stop) + 8
+            tail = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=True)
+            if any(s in tail for s in p.stop):
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                for s in p.stop:
+                    if s in text:
+                        seq.text = text[: text.index(s)]
+                        return "stop"
         if len(seq.output_token_ids) >= p.max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:
