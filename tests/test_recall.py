@@ -7,17 +7,14 @@ import pytest
 
 from oasisbench.runners.recall import essay_windows, run_recall, self_continuations
 from oasiskv_runtime import LLM, SamplingParams
-from tests.tiny_models import write_tiny, write_tiny_tokenizer
+from tests.tiny_models import write_tiny_with_tokenizer
 
 CTX, STEPS, TEXTS = 96, 6, 2
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-recall")
-    write_tiny(path, "llama")
-    write_tiny_tokenizer(path)
-    return str(path)
+    return write_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny-recall"))
 
 
 def test_self_continuation_is_the_dense_greedy_output(tiny):

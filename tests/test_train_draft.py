@@ -12,7 +12,7 @@ import torch
 from oasisbench.runners.train_draft import TrainDraftConfig, TrainDraftResult, choose_draft_vocab, train_draft
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.drafts.eagle3 import Eagle3Head
-from tests.tiny_models import write_tiny, write_tiny_tokenizer
+from tests.tiny_models import write_tiny_with_tokenizer
 
 PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 6, list(range(40, 40 + 53))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -30,10 +30,7 @@ def _cfg(tiny: str, out: Path, **kw) -> TrainDraftConfig:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-target")
-    write_tiny(path, "llama")
-    write_tiny_tokenizer(path)
-    return str(path)
+    return write_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny-target"))
 
 
 @pytest.fixture(scope="module")

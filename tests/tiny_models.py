@@ -54,3 +54,10 @@ def write_tiny_tokenizer(path: Path, vocab_size: int = 397) -> None:
     tok.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(path))
+
+
+def write_tiny_with_tokenizer(path: Path, arch: str = "llama", **overrides) -> str:
+    """A tiny checkpoint with its tokenizer (text prompts, stop strings, essays): the path as a string."""
+    write_tiny(path, arch, **overrides)
+    write_tiny_tokenizer(path)
+    return str(path)
