@@ -33,8 +33,16 @@ REPORT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("fetched_bytes_per_step", "fetch MiB/step"),
     ("prediction_recall", "recall"),
     ("peak_device_memory_bytes", "peak MiB"),
+    # oasisbench pd
+    ("admission_bytes_per_request", "admit MiB/req"),
+    ("decode_fetch_bytes_per_request", "decode-fetch MiB/req"),
+    ("decode_host_bytes_per_request", "decode-host MiB/req"),
+    ("admission_reduction", "full/admit"),
+    ("prefix_hit_tokens_per_request", "prefix hit tok/req"),
+    ("duplicate_block_reads", "dup reads"),
 )
-_MIB_METRICS = {"fetched_bytes_per_step", "peak_device_memory_bytes", "resident_gpu_bytes_per_request"}
+_MIB_METRICS = {"fetched_bytes_per_step", "peak_device_memory_bytes", "resident_gpu_bytes_per_request",
+                "admission_bytes_per_request", "decode_fetch_bytes_per_request", "decode_host_bytes_per_request"}
 
 #: Metrics :func:`compare_runs` tabulates by default.
 COMPARE_METRICS: tuple[str, ...] = (
