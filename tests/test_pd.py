@@ -306,11 +306,11 @@ def test_prefix_cache_skips_shared_blocks_and_keeps_outputs(tiny, mode, transfer
     pd = InProcessPD(tiny, mode, transfer, prefix_cache=True, **kw)
     try:
         res = pd.run(prompts, GREEDY, one_at_a_time=True)
-        deadline = time.monotonic() + 30
-        while pd.prefill.engine.staged and time.monotonic() < deadline:
+        cache = pd.prefill.cache
+        deadline = time.monotonic() + 30  # the decode side's "free" messages may trail the results
+        while (pd.prefill.engine.staged or cache.refs) and time.monotonic() < deadline:
             time.sleep(0.05)
         pool = pd.prefill.engine.kv.host_pool
-        cache = pd.prefill.cache
         # Staged requests are gone; only the cache holds blocks, and it can give them all back.
         assert pool.num_blocks - pool.num_free == len(cache.owned) and not cache.refs
         cache.evict(pool.num_blocks)

@@ -164,10 +164,11 @@ class LLMEngine:
     def release_staged(self, request_id: str, keep: set[int] | frozenset[int] = frozenset()) -> StagedKV | None:
         """Free a staged request's host blocks (its decode peer finished with it), except those in ``keep``
         (a prefix cache owns them). None if unknown."""
-        st = self.staged.pop(request_id, None)
+        st = self.staged.get(request_id)
         if st is None:
             return None
         self.kv.free_host_blocks([b for b in st.host_blocks if b not in keep])
+        del self.staged[request_id]  # last: an observer that sees it gone sees the blocks free
         return st
 
     def import_request(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,

@@ -144,8 +144,8 @@ class PrefillWorker:
 
     def release(self, request_id: str) -> None:
         """The decode side is done with a request: free its staged blocks (the cache keeps its own)."""
-        self.engine.release_staged(request_id, keep=self.cache.owned if self.cache else frozenset())
         self._release_cache(request_id)
+        self.engine.release_staged(request_id, keep=self.cache.owned if self.cache else frozenset())
 
     def _release_cache(self, request_id: str) -> None:
         if self.cache is not None:
