@@ -23,6 +23,7 @@ from rich.progress import Progress
 
 from oasisbench.results.store import RunStore, atomic_write_json
 from oasisbench.runners.throughput import _git_commit, _stats, make_prompts
+from oasiskv_runtime.engine.kv_cache_manager import cdiv
 
 TIMELINE_BIN_S = 0.05
 
@@ -67,8 +68,7 @@ def plan(modes: list[str], transfers: list[str], **common: Any) -> tuple[list[PD
             m = Mode.parse(mode)
             for transfer in transfers:
                 if transfer == "rpf" and not m.uses_host_pool:
-                    if ctx == common.get("first_ctx", ctx):
-                        notes.append(f"skipped {mode} x rpf: remote partial fetching needs a sparse host-pool mode")
+                    notes.append(f"skipped {mode} x rpf: remote partial fetching needs a sparse host-pool mode")
                     continue
                 for cache in ([False, True] if common.get("shared_prefix") else [False]):
                     points.append(PDPoint(mode=mode, transfer=transfer, context_len=ctx, prefix_cache=cache, **common))
@@ -189,7 +189,7 @@ def _full_kv_bytes(p: PDPoint, stats: dict[str, dict]) -> int | None:
     per_token = eng.get("kv_bytes_per_token")
     if not per_token:
         return None
-    n_blocks = -(-(p.context_len - p.output_len) // p.block_size)
+    n_blocks = cdiv(p.context_len - p.output_len, p.block_size)
     return int(per_token * p.block_size * n_blocks)
 
 

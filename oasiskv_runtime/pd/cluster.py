@@ -150,18 +150,8 @@ class PDCluster:
     def collect(self, request_ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
         """Wait for these requests' results. A request still open at the deadline, or whose prefill worker
         died before handing it off, gets an error result; nothing waits forever."""
-        deadline = time.monotonic() + timeout_s
         want = set(request_ids)
-        while not want <= set(self.results):
-            if time.monotonic() > deadline:
-                break
-            if not self._decode_alive():
-                break
-            try:
-                ch, msg = self.inbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._on(ch, msg)
+        self._pump(lambda: want <= set(self.results) or not self._decode_alive(), timeout_s)
         for rid in want - set(self.results):
             if not self._decode_alive():
                 why = "decode worker died" + (f": {self.decode.tail(500)}" if self.decode else "")
@@ -174,8 +164,12 @@ class PDCluster:
 
     def wait_admitted(self, request_ids: list[str], timeout_s: float) -> bool:
         """Wait until the decode side admitted these requests (or they ended)."""
+        return self._pump(lambda: set(request_ids) <= set(self.admitted) | set(self.results), timeout_s)
+
+    def _pump(self, done, timeout_s: float) -> bool:
+        """Handle worker messages until ``done()`` or the deadline; True when done."""
         deadline = time.monotonic() + timeout_s
-        while not set(request_ids) <= set(self.admitted) | set(self.results):
+        while not done():
             if time.monotonic() > deadline:
                 return False
             try:
@@ -218,13 +212,7 @@ class PDCluster:
         for role, ch, proc in (("decode", self.decode_ch, self.decode), ("prefill", self.prefill_ch, self.prefill)):
             if ch is not None and (proc is None or proc.alive) and ch.send({"type": "stats", "log": with_log}):
                 roles.append(role)
-        deadline = time.monotonic() + timeout_s
-        while set(roles) - set(self._stats) and time.monotonic() < deadline:
-            try:
-                ch, msg = self.inbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._on(ch, msg)
+        self._pump(lambda: set(roles) <= set(self._stats), timeout_s)
         return self._stats
 
     def close(self) -> None:

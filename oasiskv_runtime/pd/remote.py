@@ -90,8 +90,8 @@ class RemoteKV:
         req = RemoteRequest(seq_id, request_id, peer, list(local_blocks[:n]),
                             {local_blocks[j]: remote_blocks[j] for j in range(n)})
         ops, log = [], []
-        for layer in range(self.num_layers):
-            logical = range(n) if admit is None else sorted(set(admit[layer]))
+        per_layer = [list(range(n)) if admit is None else sorted(set(admit[layer])) for layer in range(self.num_layers)]
+        for layer, logical in enumerate(per_layer):
             pairs = [(local_blocks[j], remote_blocks[j]) for j in logical]
             ops += block_ops(pairs, layer, self.block_bytes)
             log += [(request_id, layer, r) for _, r in pairs]
@@ -99,10 +99,9 @@ class RemoteKV:
         with self.lock:
             local = torch.tensor(req.local_blocks, dtype=torch.long)
             self.present[:, local] = False
-            for layer in range(self.num_layers):
-                logical = range(n) if admit is None else sorted(set(admit[layer]))
-                if len(logical):
-                    self.present[layer, local[list(logical)]] = True
+            for layer, logical in enumerate(per_layer):
+                if logical:
+                    self.present[layer, local[logical]] = True
                     req.blocks_read[layer].update(remote_blocks[j] for j in logical)
             req.admission_bytes = nbytes
             self.requests[seq_id] = req

@@ -21,13 +21,13 @@ import queue
 import time
 import traceback
 import uuid
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from oasiskv_runtime.attention.dense import PagedKVCache
 from oasiskv_runtime.config import EngineConfig, Mode
+from oasiskv_runtime.engine.kv_cache_manager import cdiv
 from oasiskv_runtime.engine.llm_engine import LLMEngine
 from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.pd import protocol
@@ -113,7 +113,7 @@ class PrefillWorker:
             hit = None
             try:
                 if self.cache is not None:
-                    self.cache.evict(-(-len(prompt) // self.config.cache.block_size))
+                    self.cache.evict(cdiv(len(prompt), self.config.cache.block_size))
                     hit = self.cache.lookup(prompt)
                     if hit is not None:
                         self.cache.acquire(hit[0])
@@ -127,7 +127,7 @@ class PrefillWorker:
                 ch.send({"type": "result", "request_id": msg["request_id"], "output_token_ids": [],
                          "finish_reason": "error", "error": f"prefill rejected the request: {e}"})
                 return
-            self.clients[msg["request_id"]] = (ch, {**msg, "t_prefill_start": time.time()})
+            self.clients[rid] = (ch, msg)
         elif kind == "free":
             self.release(msg["request_id"])
         elif kind == "stats":
@@ -154,18 +154,15 @@ class PrefillWorker:
     def handoff(self, seq: Sequence, req: dict[str, Any]) -> dict[str, Any]:
         st = self.engine.staged[seq.request_id]
         bs = self.config.cache.block_size
-        n = -(-len(seq.prompt_token_ids) // bs)
+        n = cdiv(len(seq.prompt_token_ids), bs)
         admit = None
-        state = None
-        if self.send_state:
-            state = st.state
-        if self.transfer == "rpf":
+        if self.transfer == "rpf":  # per layer: the first step's blocks (union over KV heads) + the partial block
             tail = [n - 1] if len(seq.prompt_token_ids) % bs else []
-            smap = state["slot_map"]
+            smap = st.state["slot_map"]
             admit = [sorted(set(smap[layer][smap[layer] >= 0].tolist()) | set(tail)) for layer in range(smap.shape[0])]
         packed_state = None
-        if state is not None:
-            packed_state = {k: (protocol.pack(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        if self.send_state:
+            packed_state = {k: (protocol.pack(v) if isinstance(v, torch.Tensor) else v) for k, v in st.state.items()}
         return {"type": "handoff", "request_id": seq.request_id, "peer": self.name,
                 "prompt_token_ids": seq.prompt_token_ids, "first_token": seq.output_token_ids[0],
                 "params": req["params"], "forced_output_ids": req.get("forced_output_ids"),
@@ -243,7 +240,7 @@ class DecodeWorker:
             self.engine.backend.remote = self.remote
         else:
             # Dense decode: a landing buffer in host memory for one prompt; blocks then go to device blocks.
-            max_blocks = -(-self.engine.max_model_len // bs)
+            max_blocks = cdiv(self.engine.max_model_len, bs)
             store = PagedKVCache(mc.num_layers, max_blocks, bs, mc.num_kv_heads, mc.head_dim, self.engine.dtype, "cpu",
                                  zero=False)
             self.remote = None
@@ -416,9 +413,6 @@ class DecodeWorker:
         self.listener.close()
         self.transport.close()
 
-
-def params_dict(params: SamplingParams) -> dict[str, Any]:
-    return asdict(params)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from oasiskv_runtime.attention.dense import PagedKVCache
 from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.attention.ref import attend, attend_prefill, causal_allowed
 from oasiskv_runtime.config import Mode, SparseConfig
-from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
+from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.ops.summary_update import update_summaries
@@ -151,7 +151,7 @@ class SparseAttention:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         row = self.rows[seq_id]
-        nb = -(-context_len // self.bs)
+        nb = cdiv(context_len, self.bs)
         idx = self._summary_index(seq_id, nb)
         flat = lambda t: t.view(-1, self.hkv, self.head_dim)  # noqa: E731
         last = self.last_sel[row]
