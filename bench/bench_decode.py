@@ -115,6 +115,7 @@ def reset(eng: LLMEngine) -> None:
     for seq in list(eng.scheduler.running):
         if hasattr(eng.backend, "free_request"):
             eng.backend.free_request(seq.seq_id)
+        eng.runner.forget(seq.seq_id)
         rb = eng.kv.requests.pop(seq.seq_id)
         eng.kv.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
     eng.scheduler.running.clear()
@@ -132,10 +133,12 @@ def main() -> None:
     ap.add_argument("--sweep-shape", default="64,16384")
     ap.add_argument("--kv-gb", type=float, default=100.0)
     ap.add_argument("--host-gb", type=float, default=40.0)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help=">= 2 with graphs: a key is captured on its second step")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--profile", default="", help="write a cProfile summary of a few steps per point here")
+    ap.add_argument("--graphs", default="off,auto",
+                    help="decode-step execution per point, side by side on one engine: off (eager), auto (CUDA graphs)")
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -147,34 +150,44 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 
+    graph_settings = args.graphs.split(",")
     for mode in args.modes.split(","):
         eng = build(args.model, mode, preloaded, args)
         preloaded = preloaded or (eng.model, eng.tokenizer, eng.model_config)
         kv_bytes_per_token = eng.model_config.kv_bytes_per_token(2)
+        graphs = eng.runner.graphs
         for ctx in [int(x) for x in args.context.split(",")]:
             for batch in args.batch_list:
-                point = {"mode": mode, "batch": batch, "context": ctx}
-                try:
-                    place_requests(eng, batch, ctx, gen)
-                    if hasattr(eng.backend, "reset_counters"):
-                        eng.backend.reset_counters()
-                    ms = time_steps(eng, args.warmup, args.steps)
-                    if args.profile:
-                        profile_steps(eng, f"{mode} B={batch} ctx={ctx} ({ms:.1f} ms/step)", args.profile)
-                    st = eng.run_stats()
-                    steps = args.warmup + args.steps
-                    point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
-                                 fetched_bytes_per_step=st["fetched_bytes_per_step"],
-                                 deferred_blocks_per_step=st["deferred_blocks_per_step"],
-                                 pcie_budget_bytes_per_step=50e9 * ms / 1e3,
-                                 dense_kv_bytes=batch * ctx * kv_bytes_per_token, steps=steps)
-                except (MemoryError, torch.OutOfMemoryError) as e:
-                    point.update(error=str(e).splitlines()[0][:200])
-                reset(eng)
-                torch.cuda.empty_cache()
-                results["points"].append(point)
-                print(json.dumps(point), flush=True)
-                save()
+                for setting in graph_settings:
+                    eng.runner.graphs = graphs if setting == "auto" else None
+                    point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting}
+                    try:
+                        place_requests(eng, batch, ctx, gen)
+                        if hasattr(eng.backend, "reset_counters"):
+                            eng.backend.reset_counters()
+                        replays0 = graphs.num_replays if graphs is not None else 0
+                        ms = time_steps(eng, args.warmup, args.steps)
+                        if args.profile:
+                            profile_steps(eng, f"{mode} B={batch} ctx={ctx} graphs={setting} ({ms:.1f} ms/step)",
+                                          args.profile)
+                        st = eng.run_stats()
+                        steps = args.warmup + args.steps
+                        point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
+                                     fetched_bytes_per_step=st["fetched_bytes_per_step"],
+                                     deferred_blocks_per_step=st["deferred_blocks_per_step"],
+                                     pcie_budget_bytes_per_step=50e9 * ms / 1e3,
+                                     dense_kv_bytes=batch * ctx * kv_bytes_per_token, steps=steps)
+                        if setting == "auto":
+                            point.update(graph_replays=(graphs.num_replays - replays0) if graphs else 0,
+                                         graphs_disabled=graphs.disabled_reason if graphs else "no graphs")
+                    except (MemoryError, torch.OutOfMemoryError) as e:
+                        point.update(error=str(e).splitlines()[0][:200])
+                    reset(eng)
+                    torch.cuda.empty_cache()
+                    results["points"].append(point)
+                    print(json.dumps(point), flush=True)
+                    save()
+        eng.runner.graphs = graphs
         if mode == "oasiskv" and args.sweep:
             batch, ctx = (int(x) for x in args.sweep_shape.split(","))
             for ratio in [float(x) for x in args.sweep.split(",")]:

@@ -87,6 +87,7 @@ OPTION_SPECS: dict[str, _Validator] = {
     "measure_recall": (lambda v: isinstance(v, bool), "true or false"),
     "max_num_batched_tokens": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "random_weights": (lambda v: isinstance(v, bool), "true or false"),
+    "cuda_graphs": (lambda v: v in ("auto", "off", "static"), "auto, off or static (decode steps from CUDA graphs)"),
 }
 
 #: Keys a throughput point must end up with (``mode`` may come from ``modes``).

@@ -228,10 +228,15 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step; prompts longer than this are prefilled in chunks."""
+    cuda_graphs: str = "auto"
+    """Decode-only steps: 'auto' replays them from CUDA graphs on CUDA (eager on the CPU), 'off' always runs
+    them eagerly, 'static' runs them eagerly on the graphs' static input layout (tests the layout on the CPU)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.cuda_graphs not in ("auto", "off", "static"):
+            raise ValueError(f"cuda_graphs must be auto, off or static, got {self.cuda_graphs!r}")
 
 
 @dataclass(frozen=True)

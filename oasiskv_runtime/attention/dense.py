@@ -61,6 +61,10 @@ class DenseAttention:
 
     def begin_step(self, meta: StepMetadata) -> None:
         self.meta = meta
+        static = meta.extra.get("static")
+        if static is not None:
+            self._bind_static(meta, static)
+            return
         self._write_rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
         self._paged = None
         if meta.input_ids.is_cuda:
@@ -73,6 +77,40 @@ class DenseAttention:
         else:
             self._per_seq = meta.seqs
         self._ctx_ids = {}
+
+    # ---- the static layout of decode-only steps (engine/cuda_graphs.py) ------------------------------
+    def graph_key(self) -> tuple:
+        return ()
+
+    def graph_fields(self, seqs, ctxs, tables, rows, has_draft, fields, static, max_blocks) -> dict:
+        """Each request's full blocks (its table up to the active block) and its active block."""
+        bs = self.cache.block_size
+        ids = static.table("dense_ids", max_blocks, -1, torch.int32)
+        local, local_len = [], []
+        for seq, ctx, table, row in zip(seqs, ctxs, tables, rows):
+            j = (ctx - 1) // bs
+            ids.set(row, seq.seq_id, table, j)
+            local.append(table[j])
+            local_len.append((ctx - 1) % bs + 1)
+        fields.update(local_block=local, local_len=local_len)
+        return {}
+
+    def _bind_static(self, meta: StepMetadata, st) -> None:
+        self._write_rows = st.q_rows
+        self._ctx_ids = {}
+        if meta.input_ids.is_cuda:
+            hkv = self.cache.k[0].shape[2]
+            ids = st.tables["dense_ids"][:, None, :st.block_bucket].expand(-1, hkv, -1)
+            self._paged = (st.q_rows, ids, st.vec["local_block"], st.vec["local_len"])
+            self._per_seq = []
+        else:  # the CPU reference path, as in eager steps
+            self._paged = None
+            self._per_seq = meta.seqs
+
+    def graph_join(self) -> None:
+        pass
+
+    before_capture = graph_replayed = graph_join
 
     def _paged_batch(self, decode: list[SeqSlice], device: torch.device) -> tuple:
         bs = self.cache.block_size

@@ -294,6 +294,7 @@ class LLMEngine:
         free = getattr(self.backend, "free_request", None)
         if free is not None:
             free(seq_id)
+        self.runner.forget(seq_id)
         if self.drafter is not None:
             self.drafter.free(seq_id)
 
@@ -347,6 +348,8 @@ class LLMEngine:
         }
         if self.config.device.startswith("cuda"):
             out["peak_torch_allocated_bytes"] = torch.cuda.max_memory_allocated(torch.device(self.config.device))
+        if self.runner.graphs is not None:
+            out.update(self.runner.graphs.stats())
         backend_stats = getattr(self.backend, "run_stats", None)
         if backend_stats is not None:
             out.update(backend_stats())

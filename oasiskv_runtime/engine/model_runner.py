@@ -31,6 +31,19 @@ class ModelRunner:
         self.last_captured: dict[int, torch.Tensor] = {}
         """Captured residual streams of the last forward, per layer: [T, hidden] (for EAGLE-style drafts)."""
         self.last_meta: StepMetadata | None = None
+        self.graphs = None
+        """Decode-only steps on the static layout, replayed from CUDA graphs on CUDA (engine/cuda_graphs.py)."""
+        setting = config.scheduler.cuda_graphs
+        capture = self.device.type == "cuda" and setting == "auto"
+        if capture or setting == "static":
+            from oasiskv_runtime.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, capture=capture)
+
+    def forget(self, seq_id: int) -> None:
+        """A request left the engine (finished, preempted, aborted): drop its static-layout rows."""
+        if self.graphs is not None:
+            self.graphs.forget(seq_id)
 
     def primary_table(self, seq: Sequence) -> list[int]:
         """Where a request's full KV lives: device blocks, or host blocks in host-pool modes."""
@@ -49,7 +62,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_tokens
             table = self.primary_table(seq)
             row0 = len(ids)
-            ids += seq.all_token_ids[start:end]
+            ids += seq.token_slice(start, end)
             pos += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             draft_row = None
@@ -74,10 +87,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, drafts: dict[int, int] | None = None) -> dict[int, int]:
         """Run one step; returns the sampled token of each request that completed its pending tokens."""
-        meta = self.build_metadata(sched, drafts or {})
-        self.backend.begin_step(meta)
-        hidden, captured = self.model(meta.input_ids, meta.positions, self.backend, self.capture_layers)
-        self.backend.end_step()
+        if self.graphs is not None and self.graphs.eligible(sched):
+            meta, hidden = self.graphs.run(sched, drafts or {})
+            captured = {}
+        else:
+            meta = self.build_metadata(sched, drafts or {})
+            self.backend.begin_step(meta)
+            hidden, captured = self.model(meta.input_ids, meta.positions, self.backend, self.capture_layers)
+            self.backend.end_step()
         self.last_captured, self.last_meta = captured, meta
         self.step_index += 1
         completing = [s.seq for s in sched.scheduled if s.completes]

@@ -61,6 +61,8 @@ class DecodeBatch:
     local_rows: torch.Tensor | None   # [B] flat device row of this step's token in the local block
     max_candidates: int = 0           # host-side maxima, so kernels never read them back from the device
     max_next_candidates: int = 0
+    separate_draft_rows: bool = False
+    """Static layout (CUDA graphs): every request has its own draft row, used or not."""
 
 
 class SparseAttention:
@@ -214,6 +216,11 @@ class SparseAttention:
         for s in meta.seqs:
             if s.seq_id in self.pending_prefix:
                 self._write_summaries(s.seq_id, *self.pending_prefix.pop(s.seq_id))
+        static = meta.extra.get("static")
+        if static is not None:
+            self._bind_static(meta, static)
+            return
+        self._step_arg = meta.step
         written = (meta.slot_mapping >= 0).nonzero().squeeze(1)
         self._written = written
         self._sum_rows, self._reset = self._summary_rows(meta, written)
@@ -223,6 +230,91 @@ class SparseAttention:
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
         self.batch = self._decode_batch(decode) if decode else None
         self.stats.begin_step(len(decode))
+
+    # ---- the static layout of decode-only steps (engine/cuda_graphs.py) ------------------------------
+    def graph_unsupported(self) -> str | None:
+        """Why decode steps cannot run on the static layout / CUDA graphs now (None: they can)."""
+        if self.remote is not None:
+            return "prefill-decode remote KV (cache misses are checked on the host)"
+        if self.cfg.measure_recall:
+            return "measure_recall (recall is accumulated on the host)"
+        if self.dense_layers:
+            return "dense_layers (they read each request's whole context by its block list)"
+        if self.device.type == "cuda" and not self.use_kernels:
+            return "kernels='ref' on CUDA (the reference ops read back from the device)"
+        return None
+
+    def graph_ready(self, seq_ids: list[int]) -> bool:
+        return self.graph_unsupported() is None and all(i in self.ready for i in seq_ids)
+
+    def graph_key(self) -> tuple:
+        """Python values a captured step bakes in besides the batch shape."""
+        return (self.cfg.fetch_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks)
+
+    def graph_fields(self, seqs, ctxs, tables, rows, has_draft, fields, static, max_blocks) -> dict:
+        """Add this backend's per-request vectors to ``fields`` and update its per-request tables."""
+        bs, host = self.bs, self.mode.uses_host_pool
+        primary = static.table("primary", max_blocks, 0)
+        summary = static.table("summary", cdiv(max_blocks, bs), 0)
+        slot_table = static.table("slots", self.k_slots, 0) if host else None
+        state_rows, local_block, local_rows, sum_rows, reset = [], [], [], [], []
+        for seq, ctx, table, row in zip(seqs, ctxs, tables, rows):
+            rb = self.kv.requests[seq.seq_id]
+            p = ctx - 1
+            j = p // bs
+            state_rows.append(self._row(seq.seq_id))
+            sum_rows.append(rb.summary_blocks[j // bs] * bs + j % bs)
+            reset.append(int(p % bs == 0))
+            primary.set(row, seq.seq_id, table)
+            summary.set(row, seq.seq_id, rb.summary_blocks)
+            if host:
+                local_block.append(rb.ws_blocks[0])
+                local_rows.append(rb.ws_blocks[0] * bs + p % bs)
+                slot_table.set(row, seq.seq_id, rb.ws_blocks[1:])
+            else:
+                local_block.append(rb.device_blocks[j])
+        fields.update(state_rows=state_rows, local_block=local_block, local_len=[(c - 1) % bs + 1 for c in ctxs],
+                      num_candidates=[(c - 1) // bs for c in ctxs], next_candidates=[c // bs for c in ctxs],
+                      sum_rows=sum_rows, reset=reset, has_draft=[int(d) for d in has_draft])
+        if host:
+            fields["local_rows"] = local_rows
+        return {"reset": torch.bool, "has_draft": torch.bool}
+
+    def _bind_static(self, meta: StepMetadata, st) -> None:
+        """Point the step's state at the static buffers (every tensor the forward reads is persistent)."""
+        v, t = st.vec, st.tables
+        self._step_arg = v["step"][0] if self.async_pipeline else meta.step
+        self._written = st.q_rows
+        self._sum_rows, self._reset = v["sum_rows"], v["reset"]
+        self._distinct_rows = True
+        self._decode_ids = {s.seq_id for s in meta.seqs}
+        self._prefill = []
+        self.batch = DecodeBatch(
+            slices=meta.seqs, state_rows=v["state_rows"], q_rows=st.q_rows, draft_rows=st.draft_rows,
+            has_draft=v["has_draft"], local_block=v["local_block"], local_len=v["local_len"],
+            num_candidates=v["num_candidates"], next_candidates=v["next_candidates"], summary_table=t["summary"],
+            primary_table=t["primary"], slot_blocks=t.get("slots"), local_rows=v.get("local_rows"),
+            max_candidates=st.block_bucket, max_next_candidates=st.block_bucket,
+            separate_draft_rows=self.mode.uses_draft)
+        self.stats.begin_step(len(meta.seqs))
+
+    def graph_join(self) -> None:
+        """Make the current stream wait for the background streams (a captured step must end joined)."""
+        if self.async_pipeline:
+            cur = torch.cuda.current_stream(self.device)
+            for s in self.streams:
+                cur.wait_stream(s)
+
+    def before_capture(self) -> None:
+        # Events recorded outside a capture cannot be waited on inside it; the capture starts after a device
+        # synchronize, so nothing is outstanding.
+        if self.async_pipeline:
+            self.xfer_done = [None] * self.num_layers
+
+    def graph_replayed(self) -> None:
+        # A replay ends joined on the current stream: later work on it is ordered after every transfer.
+        if self.async_pipeline:
+            self.xfer_done = [None] * self.num_layers
 
     def _summary_rows(self, meta: StepMetadata, written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat summary row and reset flag of every written token (one row per logical block)."""
@@ -414,6 +506,9 @@ class SparseAttention:
                                       k[b.draft_rows], v[b.draft_rows],
                                       backend="auto" if self.use_kernels else "ref")
         out[b.q_rows] = res[:, 0]
+        if b.separate_draft_rows:
+            out[b.draft_rows] = res[:, 1]
+            return
         # Requests without a draft have draft_rows == q_rows: write their normal output again rather than
         # boolean-index (which would synchronise with the host).
         rows = torch.where(b.has_draft, b.draft_rows, b.q_rows)
@@ -424,7 +519,7 @@ class SparseAttention:
         rows, n, kk = b.state_rows, b.state_rows.numel(), self.k_slots
         smap, lsel = self.slot_map[rows, layer], self.last_sel[rows, layer]
         plan = select_batched(smap.reshape(-1, kk), lsel.reshape(-1, kk), pred.reshape(-1, kk), cap,
-                              self.meta.step)
+                              self._step_arg)
         self.slot_map[rows, layer] = plan.new_slot_blocks.view(n, self.hkv, kk)
         self.last_sel[rows, layer] = plan.new_last_selected.view(n, self.hkv, kk)
         return plan

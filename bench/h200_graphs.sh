@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (issue #4): CUDA graphs for decode-only steps. First the GPU tests of the graph
+# path (replay equals eager, every mode), then the decode-step bench with graphs off and on side by side on
+# the same engine, at Qwen3-8B shapes (random weights). Files land flat in $OUT as they are produced.
+#
+#   run(command="bash bench/h200_graphs.sh", timeout_s=600)
+#
+# BUDGET_S: seconds in all (default 570); BENCH_ARGS: extra bench_decode.py arguments.
+set -u
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-570}
+elapsed() { echo $(( $(date +%s) - T0 )); }
+{
+  date -u; git log -1 --format=%H 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  free -g | head -2; nproc
+} >"$OUT/env.log" 2>&1
+
+timeout --kill-after=5 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graphs.py \
+  tests/test_gpu_engine.py >"$OUT/gpu-tests.log" 2>&1
+echo "pytest exit $? at $(elapsed)s" | tee -a "$OUT/gpu-tests.log"
+tail -15 "$OUT/gpu-tests.log"
+
+left=$(( BUDGET_S - $(elapsed) ))
+timeout --signal=INT --kill-after=10 "$left" python3 bench/bench_decode.py --model qwen3-8b \
+  --modes "${MODES:-oasiskv,dense,oasiskv-no-transfer,fetch-on-demand,sparse-resident}" \
+  --batch "${BATCH:-16,64,128}" --context "${CONTEXT:-16384,32768}" --warmup 3 --steps 5 \
+  --graphs off,auto --sweep "${SWEEP:-}" --out "$OUT/decode-graphs.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+echo "bench exit $? at $(elapsed)s" | tee -a "$OUT/bench.log"
+python3 - "$OUT/decode-graphs.json" <<'EOF' | tee "$OUT/summary.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+rows = {}
+for p in r["points"]:
+    rows.setdefault((p["mode"], p["context"], p["batch"]), {})[p["cuda_graphs"]] = p
+print(f"{'mode':20} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replays':>7}  note")
+for (mode, ctx, b), d in rows.items():
+    e, g = d.get("off", {}), d.get("auto", {})
+    es, gs = e.get("step_ms"), g.get("step_ms")
+    sp = f"{es / gs:.2f}x" if es and gs else "-"
+    note = e.get("error") or g.get("error") or g.get("graphs_disabled") or ""
+    print(f"{mode:20} {ctx:6} {b:4} {es or 0:9.1f} {gs or 0:9.1f} {sp:>8} {g.get('graph_replays', '-'):>7}  {note}")
+EOF
