@@ -13,6 +13,7 @@ worst case for transfer traffic. Host block tables are aliased into one pinned p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from dataclasses import replace
@@ -205,7 +206,8 @@ def main() -> None:
                 print(json.dumps(point), flush=True)
                 save()
             eng.backend.cfg = replace(eng.backend.cfg, fetch_ratio=args.fetch_ratio)
-        del eng
+        del eng, graphs  # the runner and its graphs refer to each other: collect the cycle before the next mode
+        gc.collect()
         torch.cuda.empty_cache()
     save()
 

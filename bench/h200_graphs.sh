@@ -20,7 +20,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
   free -g | head -2; nproc
 } >"$OUT/env.log" 2>&1
 
-timeout --kill-after=5 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graphs.py \
+timeout --kill-after=5 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_cuda_graphs.py \
   tests/test_gpu_engine.py >"$OUT/gpu-tests.log" 2>&1
 echo "pytest exit $? at $(elapsed)s" | tee -a "$OUT/gpu-tests.log"
 tail -15 "$OUT/gpu-tests.log"

@@ -29,6 +29,8 @@ def tiny(tmp_path_factory):
 
 
 def run(tiny, mode, graphs, device="cpu", dtype="float32", one_at_a_time=False, **kw):
+    if device == "cuda":
+        kw.setdefault("host_kv_bytes", 1 << 28)  # the CUDA default (64 GiB) takes ~40 s to pin
     llm = LLM(tiny, device=device, dtype=dtype, mode=mode, top_k_blocks=3, fetch_ratio=0.34, block_size=4,
               cuda_graphs=graphs, **kw)
     # Different lengths: requests finish at different steps, so the batch size changes during the run.
@@ -105,10 +107,13 @@ def test_bad_cuda_graphs_setting(tiny):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_graph_replay_equals_eager_cuda(tiny, mode):
-    eager, _ = run(tiny, mode, "off", device="cuda", one_at_a_time=True)
+    eager, st_e = run(tiny, mode, "off", device="cuda", one_at_a_time=True)
+    static, st_s = run(tiny, mode, "static", device="cuda", one_at_a_time=True)
     graphed, st = run(tiny, mode, "auto", device="cuda", one_at_a_time=True)
+    assert static == eager
     assert graphed == eager
     assert st["graph_replays"] > 0 and st["graphs_disabled"] is None
+    assert st["fetched_blocks_per_step"] == st_s["fetched_blocks_per_step"] == st_e["fetched_blocks_per_step"]
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ without capture: how the CPU tests check this path against the eager one, token 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -193,7 +194,7 @@ class DecodeGraphs:
     """Runs decode-only steps on the static layout and, on CUDA, replays them from captured graphs."""
 
     def __init__(self, runner, capture: bool) -> None:
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # the runner owns this object: no cycle keeps an engine's memory alive
         self.capture = capture
         cfg = runner.config
         self.block_size = cfg.cache.block_size

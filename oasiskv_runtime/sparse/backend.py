@@ -300,7 +300,7 @@ class SparseAttention:
 
     def graph_join(self) -> None:
         """Make the current stream wait for the background streams (a captured step must end joined)."""
-        if self.async_pipeline:
+        if self.async_pipeline and self.mode.prefetches:  # fetch-on-demand never forks onto them
             cur = torch.cuda.current_stream(self.device)
             for s in self.streams:
                 cur.wait_stream(s)
@@ -579,17 +579,24 @@ class SparseAttention:
             return
         # predict -> select -> transfer on three streams; the transfer also waits for this layer's attention,
         # which still reads the slots it is about to overwrite.
+        # A tensor made on one stream and read on another is marked with record_stream: otherwise its memory
+        # could be handed to the producing stream's next allocation (the next layer's) while the consumer
+        # still reads it. Eagerly the slow host hid this; a captured graph runs at GPU speed.
         s_pred, s_sel, s_xfer = self.streams
         attn_done = torch.cuda.current_stream(self.device).record_event()
         s_pred.wait_event(attn_done)
+        pred_q.record_stream(s_pred)
         with torch.cuda.stream(s_pred):
             pred = self._predict(layer, pred_q, b, next_step=True)
             if self.cfg.measure_recall:
                 self.pending_pred[layer] = (b.state_rows.clone(), pred)
         s_sel.wait_stream(s_pred)
+        pred.record_stream(s_sel)
         with torch.cuda.stream(s_sel):
             plan = self._select(layer, b, pred, self.cfg.fetch_cap)
         s_xfer.wait_stream(s_sel)
+        for t in (plan.new_slot_blocks, plan.admit_mask, plan.num_deferred):
+            t.record_stream(s_xfer)
         with torch.cuda.stream(s_xfer):
             self._transfer_async(layer, b, plan, initial=False, cap=self.cfg.fetch_cap)
             self.xfer_done[layer] = s_xfer.record_event()
