@@ -8,7 +8,7 @@
 #   run(command="bash bench/h200_paper.sh", timeout_s=600)
 #
 # BUDGET_S: seconds this script may take in all (default 585); TEST_S: seconds kept for the tests at the end
-# (0: no tests); RESUME: a run directory in the working tree to continue (its finished points are skipped).
+# (0: no tests); TESTS: the pytest paths to run (default: the prefill path's); RESUME: a run directory in the working tree to continue (its finished points are skipped).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -49,9 +49,9 @@ copy_results
 # 2. GPU tests of what this change touches (ops + engine prefill on CUDA), in what time is left.
 if [ "$TEST_S" -gt 0 ]; then
   left=$(( BUDGET_S - $(elapsed) ))
-  timeout --kill-after=5 "$left" python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_prefill_device.py "tests/test_ops.py::test_uva_gather_kernel_matches_ref" \
-    "tests/test_ops.py::test_summary_update_kernel_matches_ref" >"$OUT/gpu-tests.log" 2>&1
+  timeout --kill-after=5 "$left" python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
+    ${TESTS:-tests/test_prefill_device.py tests/test_ops.py::test_uva_gather_kernel_matches_ref tests/test_ops.py::test_summary_update_kernel_matches_ref} \
+    >"$OUT/gpu-tests.log" 2>&1
   echo "pytest exit $? at $(elapsed)s" | tee -a "$OUT/gpu-tests.log"
 fi
 

@@ -70,6 +70,30 @@ def test_static_layout_batched_equals_eager_cpu(tiny, mode):
     assert st_s["fetched_blocks_per_step"] == st_e["fetched_blocks_per_step"]
 
 
+def staggered(tiny, mode, graphs, device="cpu"):
+    """Requests arrive while others decode, prompts prefill in 16-token chunks: most steps mix decode
+    requests with a prefill chunk, which the static layout splits (decode part first, prefill after)."""
+    kw = {"host_kv_bytes": 1 << 28} if device == "cuda" else {}
+    llm = LLM(tiny, device=device, mode=mode, top_k_blocks=3, fetch_ratio=0.34, block_size=4,
+              max_num_batched_tokens=16, cuda_graphs=graphs, **kw)
+    eng, seqs = llm.engine, []
+    pending = list(zip(PROMPTS, [30, 12, 20]))
+    while pending or eng.has_unfinished():
+        if pending and (not seqs or eng.stats.num_steps % 5 == 0):
+            p, n = pending.pop(0)
+            seqs.append(eng.add_request(p, params(n)))
+        eng.step()
+    return [list(s.output_token_ids) for s in seqs], eng.run_stats()
+
+
+@pytest.mark.parametrize("mode", ["dense", "oasiskv", "fetch-on-demand"])
+def test_static_layout_split_steps_equal_eager_cpu(tiny, mode):
+    eager, _ = staggered(tiny, mode, "off")
+    static, st = staggered(tiny, mode, "static")
+    assert st["split_steps"] > 5
+    assert static == eager
+
+
 def test_static_layout_survives_preemption(tiny):
     # Room for 40 blocks of 4 tokens (the three requests need 59): requests are preempted, recomputed, and
     # their static rows freed and reused.
@@ -114,6 +138,16 @@ def test_graph_replay_equals_eager_cuda(tiny, mode):
     assert graphed == eager
     assert st["graph_replays"] > 0 and st["graphs_disabled"] is None
     assert st["fetched_blocks_per_step"] == st_s["fetched_blocks_per_step"] == st_e["fetched_blocks_per_step"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dense", "oasiskv"])
+def test_graph_split_steps_cuda(tiny, mode):
+    eager, _ = staggered(tiny, mode, "off", device="cuda")
+    graphed, st = staggered(tiny, mode, "auto", device="cuda")
+    assert st["graph_replays"] > 0 and st["split_steps"] > 0 and st["graphs_disabled"] is None
+    agree = sum(a == b for x, y in zip(graphed, eager) for a, b in zip(x, y))
+    assert agree >= 0.9 * sum(len(x) for x in eager)
 
 
 @pytest.mark.gpu

@@ -12,11 +12,13 @@ CUDA graph with new values:
   device tables that only receive the entries that changed since the last step (a table only grows while a
   request runs), then gathered into the batch's rows with ``index_select(out=...)``.
 
-Graphs are keyed by (batch size, candidate-block bucket): the batch is exact (no padding, so no padded row
-ever writes shared state), and the block bucket rounds the longest context up to ``BLOCK_BUCKET`` blocks
-(scoring kernels mask columns past each request's own count). A key is captured the second time it is seen
-(its first step runs eagerly on the static buffers: the warm-up that compiles kernels); keys seen once are
-never captured. Everything the graph reads is a persistent buffer; nothing inside it talks to the host.
+Graphs are keyed by (batch size, candidate-block bucket, the backend's baked-in settings): the batch is exact
+(no padding, so no padded row ever writes shared state), and the block bucket rounds the longest context up
+to ``BLOCK_BUCKET`` blocks (scoring kernels mask columns past each request's own count). A key is captured the
+second time it runs (its first run is eager on the static buffers: the warm-up that compiles kernels); keys
+seen once are never captured. Everything the graph reads is a persistent buffer; nothing inside it talks to
+the host. A step that also prefills is split: its decode requests run here, its prefill chunks eagerly after
+(see ``DecodeGraphs.plan``).
 
 ``cuda_graphs``: ``auto`` (capture on CUDA), ``off`` (the eager engine), ``static`` (the static layout
 without capture: how the CPU tests check this path against the eager one, token for token).
@@ -39,6 +41,10 @@ log = logging.getLogger(__name__)
 
 BLOCK_BUCKET = 256
 """Candidate blocks are rounded up to a multiple of this (4,096 tokens at block size 16) per graph key."""
+CAPTURE_SIGHTS = 2
+"""A key is captured when a decode part with it has run this many times (the first runs warm kernels up)."""
+MIXED_SIGHTS = 3
+"""A step that also prefills is split once its decode part's key has come this many times (see ``plan``)."""
 MAX_GRAPHS = 64
 """Captured graphs kept (least recently used evicted); they share one memory pool."""
 
@@ -202,35 +208,47 @@ class DecodeGraphs:
         self.max_blocks = cdiv(runner.kv.max_model_len, self.block_size) + 1
         self.static = StaticInputs(runner.device, cfg.scheduler.max_num_seqs)
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: set[tuple] = set()
+        self.sights: dict[tuple, int] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled_reason: str | None = None
         self.num_replays = 0
         self.num_captures = 0
         self.num_static_eager = 0
+        self.num_split_steps = 0
 
     def forget(self, seq_id: int) -> None:
         self.static.forget(seq_id)
 
-    def eligible(self, sched) -> bool:
-        if self.disabled_reason is not None or self.runner.capture_layers:
-            return False
-        scheduled = sched.scheduled
-        if not scheduled or len(scheduled) > self.static.max_rows:
-            return False
-        for s in scheduled:
-            if s.num_tokens != 1 or not s.completes or s.seq.num_computed_tokens < 1:
-                return False
-        ready = getattr(self.runner.backend, "graph_ready", None)
-        return ready is None or ready([s.seq.seq_id for s in scheduled])
+    def plan(self, sched) -> tuple[list, tuple] | None:
+        """The part of a step to run on the static layout (its decode requests) and its graph key, or None.
 
-    def _prepare(self, seqs: list, drafts: dict[int, int], step: int) -> StepMetadata:
+        A decode-only step always runs on it. A step that also prefills is split (decode part here, the
+        prefill chunks eagerly after it) once the decode part's graph exists or its key keeps coming back
+        (``MIXED_SIGHTS``): splitting costs a second pass over the weights, which pays only with a replay."""
+        if self.disabled_reason is not None or self.runner.capture_layers:
+            return None
+        decode = [s for s in sched.scheduled if s.num_tokens == 1 and s.completes and s.seq.num_computed_tokens >= 1]
+        if not decode or len(decode) > self.static.max_rows:
+            return None
+        be = self.runner.backend
+        ready = getattr(be, "graph_ready", None)
+        if ready is not None and not ready([s.seq.seq_id for s in decode]):
+            return None
+        longest = max(s.seq.num_computed_tokens + 1 for s in decode)
+        bucket = min(cdiv(max(1, longest // self.block_size), BLOCK_BUCKET) * BLOCK_BUCKET, self.max_blocks)
+        key = (len(decode), bucket, tuple(be.graph_key()))
+        if len(decode) < len(sched.scheduled) and self.capture and key not in self.graphs:
+            self.sights[key] = self.sights.get(key, 0) + 1
+            if self.sights[key] < MIXED_SIGHTS:
+                return None
+        return decode, key
+
+    def _prepare(self, seqs: list, drafts: dict[int, int], step: int, key: tuple) -> StepMetadata:
         bs, n = self.block_size, len(seqs)
         runner, static = self.runner, self.static
         ids, pos, slots, rows, has_draft = [], [], [], [], []
         d_ids, d_pos = [], []
         tables, ctxs, slices = [], [], []
-        longest = 0
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             tok = seq.token_at(p)
@@ -245,32 +263,29 @@ class DecodeGraphs:
             d_pos.append(p + 1)
             tables.append(table)
             ctxs.append(p + 1)
-            longest = max(longest, p + 1)
             slices.append(SeqSlice(seq.seq_id, i, 1, p + 1, table,
                                    n + i if (d is not None and self.uses_draft) else None, True))
         fields = {"input_ids": ids + (d_ids if self.uses_draft else []),
                   "positions": pos + (d_pos if self.uses_draft else []),
                   "slot_mapping": slots + ([-1] * n if self.uses_draft else []),
                   "table_rows": rows, "step": [step]}
-        bucket = min(cdiv(max(1, longest // bs), BLOCK_BUCKET) * BLOCK_BUCKET, self.max_blocks)
         be = runner.backend
         dtypes = be.graph_fields(seqs, ctxs, tables, rows, has_draft, fields, static, self.max_blocks)
         vec = static.upload(n, fields, dtypes)
         gathered = {name: static.gather(n, name, vec["table_rows"]) for name in static.tables}
-        batch = StaticBatch(n, bucket, vec, gathered, static.arange(0, n),
+        batch = StaticBatch(n, key[1], vec, gathered, static.arange(0, n),
                             static.arange(n, 2 * n) if self.uses_draft else static.arange(0, n), has_draft)
         return StepMetadata(input_ids=vec["input_ids"], positions=vec["positions"],
                             slot_mapping=vec["slot_mapping"], seqs=slices, logits_indices=batch.q_rows,
                             step=step, extra={"static": batch})
 
-    def run(self, sched, drafts: dict[int, int]) -> tuple[StepMetadata, torch.Tensor]:
-        """One decode-only step; returns its metadata and the hidden states of the requests' token rows."""
+    def run(self, decode: list, drafts: dict[int, int], key: tuple) -> tuple[StepMetadata, torch.Tensor]:
+        """Run the decode requests ``decode`` (from :meth:`plan`); returns the step's metadata and the hidden
+        states of their token rows."""
         runner, be = self.runner, self.runner.backend
-        seqs = [s.seq for s in sched.scheduled]
-        meta = self._prepare(seqs, drafts, runner.step_index)
+        meta = self._prepare([s.seq for s in decode], drafts, runner.step_index, key)
         be.begin_step(meta)
         batch = meta.extra["static"]
-        key = (batch.size, batch.block_bucket, tuple(sorted(be.graph_key())))
         entry = self.graphs.get(key) if self.capture else None
         if entry is not None:
             self.graphs.move_to_end(key)
@@ -283,9 +298,9 @@ class DecodeGraphs:
             be.graph_join()
             self.num_static_eager += 1
             if self.capture:
-                if key in self.seen:
+                self.sights[key] = self.sights.get(key, 0) + 1
+                if self.sights[key] >= CAPTURE_SIGHTS:
                     self._capture(key, meta)
-                self.seen.add(key)
         be.end_step()
         return meta, hidden[:batch.size]
 
@@ -311,4 +326,5 @@ class DecodeGraphs:
 
     def stats(self) -> dict:
         return {"graph_replays": self.num_replays, "graph_captures": self.num_captures,
-                "static_eager_steps": self.num_static_eager, "graphs_disabled": self.disabled_reason}
+                "static_eager_steps": self.num_static_eager, "split_steps": self.num_split_steps,
+                "graphs_disabled": self.disabled_reason}

@@ -86,21 +86,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, drafts: dict[int, int] | None = None) -> dict[int, int]:
-        """Run one step; returns the sampled token of each request that completed its pending tokens."""
-        if self.graphs is not None and self.graphs.eligible(sched):
-            meta, hidden = self.graphs.run(sched, drafts or {})
-            captured = {}
-        else:
-            meta = self.build_metadata(sched, drafts or {})
-            self.backend.begin_step(meta)
-            hidden, captured = self.model(meta.input_ids, meta.positions, self.backend, self.capture_layers)
-            self.backend.end_step()
+        """Run one step; returns the sampled token of each request that completed its pending tokens.
+
+        With CUDA graphs (``graphs``) the step's decode requests run on the static layout (replayed when
+        captured) and any prefill chunks of the same step run eagerly after them."""
+        drafts = drafts or {}
+        sampled: dict[int, int] = {}
+        part = self.graphs.plan(sched) if self.graphs is not None else None
+        if part is not None:
+            decode, key = part
+            meta, hidden = self.graphs.run(decode, drafts, key)
+            self.last_captured, self.last_meta = {}, meta
+            sampled.update(self._sample([s.seq for s in decode], hidden))
+            taken = {id(s) for s in decode}
+            rest = [s for s in sched.scheduled if id(s) not in taken]
+            if not rest:
+                self.step_index += 1
+                return sampled
+            sched = SchedulerOutput(scheduled=rest)
+            self.graphs.num_split_steps += 1
+        meta = self.build_metadata(sched, drafts)
+        self.backend.begin_step(meta)
+        hidden, captured = self.model(meta.input_ids, meta.positions, self.backend, self.capture_layers)
+        self.backend.end_step()
         self.last_captured, self.last_meta = captured, meta
         self.step_index += 1
         completing = [s.seq for s in sched.scheduled if s.completes]
-        if not completing:
-            return {}
-        logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))
-        tokens = sample(logits, [q.params for q in completing], [len(q.output_token_ids) for q in completing],
-                        self.generator)
-        return {q.seq_id: t for q, t in zip(completing, tokens)}
+        if completing:
+            sampled.update(self._sample(completing, hidden.index_select(0, meta.logits_indices)))
+        return sampled
+
+    def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> dict[int, int]:
+        """Tokens for ``seqs`` from their rows of the final hidden states (same order)."""
+        logits = self.model.compute_logits(hidden)
+        tokens = sample(logits, [q.params for q in seqs], [len(q.output_token_ids) for q in seqs], self.generator)
+        return {q.seq_id: t for q, t in zip(seqs, tokens)}
