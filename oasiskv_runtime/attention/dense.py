@@ -79,6 +79,9 @@ class DenseAttention:
         self._ctx_ids = {}
 
     # ---- the static layout of decode-only steps (engine/cuda_graphs.py) ------------------------------
+    graph_split_mixed = False
+    """Steps that also prefill are not split: the decode rows cost almost nothing inside the prefill forward."""
+
     def graph_key(self) -> tuple:
         return ()
 
