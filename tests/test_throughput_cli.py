@@ -152,12 +152,32 @@ def test_engine_reused_only_when_counters_can_be_reset(tiny, monkeypatch):
     points = [{"model": tiny, "mode": "dense", "context_len": ctx, "concurrency": 1, "device": "cpu"}
               for ctx in (40, 48)]
     planned = tp.plan_points(points)
+    warmed = []
+    monkeypatch.setattr(tp, "warm_up", lambda llm, p: warmed.append(llm))
     for resettable, builds in ((True, 1), (False, 2)):
         monkeypatch.setattr(oasiskv_runtime, "LLM", lambda *a, **k: type("L", (), {"engine": _FakeEngine(resettable)}))
         cache = tp._EngineCache()
+        warmed.clear()
         for pp in planned:
             cache.get(pp)
         assert cache.num_builds == builds
+        assert len(warmed) == builds  # every fresh engine is warmed up once, a reused one not again
+
+
+@pytest.mark.parametrize("mode", ["dense", "oasiskv"])
+def test_warm_up_leaves_counted_metrics_unchanged(tiny, monkeypatch, mode):
+    # The warm-up request runs on the point's engine before timing; its counters are zeroed, and it must not
+    # shift what the gate checks (tokens, bytes, batches, recall).
+    point = {"model": tiny, "mode": mode, "context_len": 120, "output_len": 12, "concurrency": 2,
+             "num_requests": 3, "device": "cpu", "top_k_blocks": 3, "block_size": 8, "measure_recall": True}
+    (pp,) = tp.plan_points([point])
+    warm = tp.run_point(pp, tp._EngineCache())
+    monkeypatch.setattr(tp, "warm_up", lambda llm, p: None)
+    cold = tp.run_point(pp, tp._EngineCache())
+    keys = ("completed", "total_output_tokens", "max_running_batch", "num_preemptions", "fetched_bytes_per_step",
+            "deferred_blocks_per_step", "prediction_recall", "draft_accuracy", "num_steps")
+    assert "error" not in warm
+    assert {k: warm.get(k) for k in keys} == {k: cold.get(k) for k in keys}
 
 
 SUITE = """\

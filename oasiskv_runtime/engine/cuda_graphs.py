@@ -330,6 +330,9 @@ class DecodeGraphs:
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
 
+    def reset_counters(self) -> None:
+        self.num_replays = self.num_captures = self.num_static_eager = self.num_split_steps = 0
+
     def stats(self) -> dict:
         return {"graph_replays": self.num_replays, "graph_captures": self.num_captures,
                 "static_eager_steps": self.num_static_eager, "split_steps": self.num_split_steps,

@@ -321,6 +321,20 @@ class LLMEngine:
             return "length"
         return None
 
+    def reset_stats(self) -> None:
+        """Zero every run counter (engine, scheduler, sparse traffic, graphs) between measured windows, e.g.
+        after a warm-up request. Only between runs: with requests in flight, their counts would be split."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_stats with requests in flight")
+        self.stats = EngineStats()
+        self.scheduler.num_preemptions = 0
+        self._held_blocks = {}
+        reset = getattr(self.backend, "reset_counters", None)
+        if reset is not None:
+            reset()
+        if self.runner.graphs is not None:
+            self.runner.graphs.reset_counters()
+
     def run_stats(self) -> dict[str, Any]:
         """Run-level counters for reports (stable names; see oasisbench.results.schema)."""
         st = self.stats

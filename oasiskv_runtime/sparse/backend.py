@@ -104,7 +104,7 @@ class SparseAttention:
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_rows))
         self.ready: set[int] = set()
-        self.pending_pred: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pending_pred: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
         self.meta: StepMetadata | None = None
 
     # ---- request lifecycle ------------------------------------------------------------------------
@@ -574,7 +574,7 @@ class SparseAttention:
         if not self.async_pipeline:
             pred = self._predict(layer, pred_q, b, next_step=True)
             if self.cfg.measure_recall:
-                self.pending_pred[layer] = (b.state_rows.clone(), pred)
+                self.pending_pred[layer] = (b.state_rows.clone(), pred, [x.seq_id for x in b.slices])
             self._select_and_fetch(layer, b, pred, self.cfg.fetch_cap)
             return
         # predict -> select -> transfer on three streams; the transfer also waits for this layer's attention,
@@ -589,7 +589,7 @@ class SparseAttention:
         with torch.cuda.stream(s_pred):
             pred = self._predict(layer, pred_q, b, next_step=True)
             if self.cfg.measure_recall:
-                self.pending_pred[layer] = (b.state_rows.clone(), pred)
+                self.pending_pred[layer] = (b.state_rows.clone(), pred, [x.seq_id for x in b.slices])
         s_sel.wait_stream(s_pred)
         pred.record_stream(s_sel)
         with torch.cuda.stream(s_sel):
@@ -606,10 +606,12 @@ class SparseAttention:
         prev = self.pending_pred.pop(layer, None)
         if prev is None:
             return
-        prev_rows, prev_pred = prev
+        prev_rows, prev_pred, prev_ids = prev
         true = self._predict(layer, q_true, b, next_step=False)
         match = (prev_rows[:, None] == b.state_rows[None, :]).nonzero(as_tuple=True)
         for i_prev, i_now in zip(*match):
+            if prev_ids[int(i_prev)] != b.slices[int(i_now)].seq_id:
+                continue  # the row now holds another request (the predicting one left, e.g. a warm-up's)
             if int(b.num_candidates[i_now]) <= self.k_slots:
                 continue  # everything fits: recall is trivially 1 and would only inflate the average
             t, p = true[i_now], prev_pred[i_prev]                               # [Hkv, K]
@@ -697,6 +699,7 @@ class SparseAttention:
     def reset_counters(self) -> None:
         """Zero the traffic and recall counters (benchmarks measure a window of steps)."""
         self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
+        self.pending_pred.clear()
         if self.async_pipeline:
             for t in (self.dev_fetched, self.dev_deferred, self.dev_initial, self.dev_req_fetched):
                 t.zero_()
