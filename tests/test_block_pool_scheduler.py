@@ -121,3 +121,38 @@ def test_scheduler_modules_do_not_import_torch():
             "p.__path__ = [str(pathlib.Path('oasiskv_runtime').resolve())]; sys.modules['oasiskv_runtime'] = p; ")
     r = subprocess.run([sys.executable, "-c", stub + code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr or "torch was imported by scheduler/block bookkeeping"
+
+
+def test_scheduler_admits_only_when_the_whole_prompt_fits():
+    # 10 blocks of 4 tokens. a (8-token prompt) runs; b's 36-token prompt needs 9 blocks, more than the 8 left
+    # next to a. Admitting b on its first 8-token chunk (the old rule) would have preempted it a few steps later.
+    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=10, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv)
+    a, b = seq(8, 4), seq(36, 4)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a] and list(sched.waiting) == [b]
+    a.num_computed_tokens += 8
+    a.output_token_ids.append(1)
+    assert [s.seq for s in sched.schedule().scheduled] == [a]  # still waiting: no first-chunk admission
+    sched.finish(a, "length")
+    out = sched.schedule()  # alone, b starts (in chunks) and never needs a preemption
+    assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(b, 16)] and sched.num_preemptions == 0
+
+
+def test_scheduler_admission_reserves_running_prompts():
+    # Two waiting 20-token prompts (5 blocks each) next to a running one that still has 16 tokens to prefill:
+    # only what fits beside all three whole prompts is admitted in the same step.
+    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=12, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv)
+    a = seq(24, 4)
+    sched.add(a)
+    sched.schedule()                      # a: first 8 tokens (2 blocks); 16 more tokens = 4 blocks pending
+    a.num_computed_tokens += 8
+    b, c = seq(20, 4), seq(20, 4)
+    sched.add(b)
+    sched.add(c)
+    sched.config = SchedulerConfig(max_num_batched_tokens=40)
+    out = sched.schedule()                # a takes its 4 blocks; 6 free: b (5) fits, c would not
+    assert [s.seq for s in out.scheduled] == [a, b] and list(sched.waiting) == [c]

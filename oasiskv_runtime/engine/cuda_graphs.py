@@ -315,7 +315,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         be.before_capture()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # The capture stream belongs to the current device: make it the engine's (e.g. cuda:1).
+            with torch.cuda.device(runner.device), torch.cuda.graph(graph, pool=self.pool):
                 hidden, _ = runner.model(meta.input_ids, meta.positions, be)
                 be.graph_join()
         except Exception as e:  # noqa: BLE001 - the step already ran eagerly; fall back for good

@@ -3,7 +3,8 @@
 ``schedule()`` returns which requests compute how many pending tokens this step. Running requests go
 first (oldest first); a request that cannot get blocks preempts the newest running request, which frees all
 its blocks and later recomputes its tokens. Waiting requests are admitted in arrival order while the
-token budget, the sequence limit and the KV blocks allow.
+token budget, the sequence limit and the KV blocks allow: a request is admitted only when its whole pending context
+fits with a small reserve (``KVCacheManager.can_admit``), not just its first prefill chunk.
 """
 
 from __future__ import annotations
@@ -92,12 +93,24 @@ class Scheduler:
         self.running = kept
         # Admit waiting requests only when nobody was preempted this step: otherwise we would re-admit the
         # victim at once and thrash.
+        reserved = [0, 0]  # blocks running requests still need for their pending prompts
+        for s in self.running:
+            dev, host = self.kv.pending_needs(s)
+            reserved[0] += dev
+            reserved[1] += host
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not out.preempted_ids:
             seq = self.waiting[0]
             n = min(seq.num_pending_tokens, budget)
+            # With others running, wait until the whole context fits next to what they still need (they will
+            # free blocks); alone, a request always starts (check_fits_alone guaranteed it can run).
+            if self.running and not self.kv.can_admit(seq, (reserved[0], reserved[1])):
+                break
             if not self.kv.allocate(seq, n):
                 break
+            dev, host = self.kv.pending_needs(seq)
+            reserved[0] += dev
+            reserved[1] += host
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
