@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -106,7 +106,6 @@ class StaticBatch:
     """``arange(B)``: the requests' token rows."""
     draft_rows: torch.Tensor
     """``arange(B, 2B)`` in draft modes (else ``q_rows``)."""
-    has_draft: list[bool] = field(default_factory=list)
 
 
 class StaticInputs:
@@ -280,7 +279,7 @@ class DecodeGraphs:
         vec = static.upload(n, fields, dtypes)
         gathered = {name: static.gather(n, name, vec["table_rows"]) for name in static.tables}
         batch = StaticBatch(n, key[1], vec, gathered, static.arange(0, n),
-                            static.arange(n, 2 * n) if self.uses_draft else static.arange(0, n), has_draft)
+                            static.arange(n, 2 * n) if self.uses_draft else static.arange(0, n))
         return StepMetadata(input_ids=vec["input_ids"], positions=vec["positions"],
                             slot_mapping=vec["slot_mapping"], seqs=slices, logits_indices=batch.q_rows,
                             step=step, extra={"static": batch})

@@ -132,9 +132,13 @@ class SparseAttention:
         self.free_rows.append(row)
 
     # ---- prefill-decode hand-off ---------------------------------------------------------------------
+    def _summary_row(self, summary_blocks: list[int], j: int) -> int:
+        """Flat device row holding logical block ``j``'s key summary (``block_size`` rows per summary block)."""
+        return summary_blocks[j // self.bs] * self.bs + j % self.bs
+
     def _summary_index(self, seq_id: int, num_blocks: int) -> torch.Tensor:
-        table, bs = self.kv.requests[seq_id].summary_blocks, self.bs
-        return torch.tensor([table[j // bs] * bs + j % bs for j in range(num_blocks)], dtype=torch.long,
+        table = self.kv.requests[seq_id].summary_blocks
+        return torch.tensor([self._summary_row(table, j) for j in range(num_blocks)], dtype=torch.long,
                             device=self.device)
 
     def _write_summaries(self, seq_id: int, summary_min: torch.Tensor, summary_max: torch.Tensor) -> None:
@@ -257,27 +261,18 @@ class SparseAttention:
         primary = static.table("primary", max_blocks, 0)
         summary = static.table("summary", cdiv(max_blocks, bs), 0)
         slot_table = static.table("slots", self.k_slots, 0) if host else None
-        state_rows, local_block, local_rows, sum_rows, reset = [], [], [], [], []
+        sum_rows, reset = [], []
         for seq, ctx, table, row in zip(seqs, ctxs, tables, rows):
             rb = self.kv.requests[seq.seq_id]
             p = ctx - 1
-            j = p // bs
-            state_rows.append(self._row(seq.seq_id))
-            sum_rows.append(rb.summary_blocks[j // bs] * bs + j % bs)
+            sum_rows.append(self._summary_row(rb.summary_blocks, p // bs))
             reset.append(int(p % bs == 0))
             primary.set(row, seq.seq_id, table)
             summary.set(row, seq.seq_id, rb.summary_blocks)
             if host:
-                local_block.append(rb.ws_blocks[0])
-                local_rows.append(rb.ws_blocks[0] * bs + p % bs)
                 slot_table.set(row, seq.seq_id, rb.ws_blocks[1:])
-            else:
-                local_block.append(rb.device_blocks[j])
-        fields.update(state_rows=state_rows, local_block=local_block, local_len=[(c - 1) % bs + 1 for c in ctxs],
-                      num_candidates=[(c - 1) // bs for c in ctxs], next_candidates=[c // bs for c in ctxs],
-                      sum_rows=sum_rows, reset=reset, has_draft=[int(d) for d in has_draft])
-        if host:
-            fields["local_rows"] = local_rows
+        fields.update(self._decode_vectors([seq.seq_id for seq in seqs], ctxs))
+        fields.update(sum_rows=sum_rows, reset=reset, has_draft=[int(d) for d in has_draft])
         return {"reset": torch.bool, "has_draft": torch.bool}
 
     def _bind_static(self, meta: StepMetadata, st) -> None:
@@ -305,16 +300,14 @@ class SparseAttention:
             for s in self.streams:
                 cur.wait_stream(s)
 
-    def before_capture(self) -> None:
-        # Events recorded outside a capture cannot be waited on inside it; the capture starts after a device
-        # synchronize, so nothing is outstanding.
+    def graph_replayed(self) -> None:
+        """Forget the per-layer transfer events. After a replay: it ended joined on the current stream, so later
+        work there is ordered after every transfer. Before a capture: events recorded outside it cannot be
+        waited on inside it, and the capture starts after a device synchronize, so nothing is outstanding."""
         if self.async_pipeline:
             self.xfer_done = [None] * self.num_layers
 
-    def graph_replayed(self) -> None:
-        # A replay ends joined on the current stream: later work on it is ordered after every transfer.
-        if self.async_pipeline:
-            self.xfer_done = [None] * self.num_layers
+    before_capture = graph_replayed
 
     def _summary_rows(self, meta: StepMetadata, written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat summary row and reset flag of every written token (one row per logical block)."""
@@ -323,43 +316,54 @@ class SparseAttention:
         for s in meta.seqs:
             table = self.kv.requests[s.seq_id].summary_blocks
             for p in range(s.context_len - s.num_query, s.context_len):
-                j = p // bs
-                rows.append(table[j // bs] * bs + j % bs)
+                rows.append(self._summary_row(table, p // bs))
                 reset.append(p % bs == 0)
         return (torch.tensor(rows, dtype=torch.long, device=self.device),
                 torch.tensor(reset, dtype=torch.bool, device=self.device))
 
-    def _decode_batch(self, decode: list[SeqSlice]) -> DecodeBatch:
-        dev, bs = self.device, self.bs
-        host = self.mode.uses_host_pool
-        local_block, slot_blocks, local_rows = [], [], []
-        for s in decode:
-            rb = self.kv.requests[s.seq_id]
-            p = s.context_len - 1
+    def _decode_vectors(self, seq_ids: list[int], ctxs: list[int]) -> dict[str, list[int]]:
+        """Per-request decode-step values (eager batches and the static layout alike): state row, active block
+        and its valid tokens, full blocks before it now and at the next step, and in host-pool modes the flat
+        row this step's token takes in the local block."""
+        bs, host = self.bs, self.mode.uses_host_pool
+        out: dict[str, list[int]] = {k: [] for k in ("state_rows", "local_block", "local_len", "num_candidates",
+                                                     "next_candidates")}
+        if host:
+            out["local_rows"] = []
+        for seq_id, ctx in zip(seq_ids, ctxs):
+            rb = self.kv.requests[seq_id]
+            p = ctx - 1
+            out["state_rows"].append(self._row(seq_id))
+            out["local_len"].append(p % bs + 1)
+            out["num_candidates"].append(p // bs)
+            out["next_candidates"].append(ctx // bs)
             if host:
-                local_block.append(rb.ws_blocks[0])
-                slot_blocks.append(rb.ws_blocks[1:])
-                local_rows.append(rb.ws_blocks[0] * bs + p % bs)
+                out["local_block"].append(rb.ws_blocks[0])
+                out["local_rows"].append(rb.ws_blocks[0] * bs + p % bs)
             else:
-                local_block.append(rb.device_blocks[p // bs])
+                out["local_block"].append(rb.device_blocks[p // bs])
+        return out
+
+    def _decode_batch(self, decode: list[SeqSlice]) -> DecodeBatch:
+        dev, host = self.device, self.mode.uses_host_pool
+        vec = self._decode_vectors([s.seq_id for s in decode], [s.context_len for s in decode])
         t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        pos = [s.context_len - 1 for s in decode]
         return DecodeBatch(
             slices=decode,
-            state_rows=t([self._row(s.seq_id) for s in decode]),
+            state_rows=t(vec["state_rows"]),
             q_rows=t([s.query_start for s in decode]),
             draft_rows=t([s.draft_row if s.draft_row is not None else s.query_start for s in decode]),
             has_draft=torch.tensor([s.draft_row is not None for s in decode], device=dev),
-            local_block=t(local_block),
-            local_len=t([p % bs + 1 for p in pos]),
-            num_candidates=t([p // bs for p in pos]),
-            next_candidates=t([(p + 1) // bs for p in pos]),
+            local_block=t(vec["local_block"]),
+            local_len=t(vec["local_len"]),
+            num_candidates=t(vec["num_candidates"]),
+            next_candidates=t(vec["next_candidates"]),
             summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in decode], 0, dev),
             primary_table=_pad([s.block_table for s in decode], 0, dev),
-            slot_blocks=t(slot_blocks) if host else None,
-            local_rows=t(local_rows) if host else None,
-            max_candidates=max(p // bs for p in pos),
-            max_next_candidates=max((p + 1) // bs for p in pos),
+            slot_blocks=t([self.kv.requests[s.seq_id].ws_blocks[1:] for s in decode]) if host else None,
+            local_rows=t(vec["local_rows"]) if host else None,
+            max_candidates=max(vec["num_candidates"]),
+            max_next_candidates=max(vec["next_candidates"]),
         )
 
     # ---- the layer --------------------------------------------------------------------------------
@@ -573,8 +577,7 @@ class SparseAttention:
     def _prefetch(self, layer: int, b: DecodeBatch, pred_q: torch.Tensor) -> None:
         if not self.async_pipeline:
             pred = self._predict(layer, pred_q, b, next_step=True)
-            if self.cfg.measure_recall:
-                self.pending_pred[layer] = (b.state_rows.clone(), pred, [x.seq_id for x in b.slices])
+            self._remember_prediction(layer, b, pred)
             self._select_and_fetch(layer, b, pred, self.cfg.fetch_cap)
             return
         # predict -> select -> transfer on three streams; the transfer also waits for this layer's attention,
@@ -588,8 +591,7 @@ class SparseAttention:
         pred_q.record_stream(s_pred)
         with torch.cuda.stream(s_pred):
             pred = self._predict(layer, pred_q, b, next_step=True)
-            if self.cfg.measure_recall:
-                self.pending_pred[layer] = (b.state_rows.clone(), pred, [x.seq_id for x in b.slices])
+            self._remember_prediction(layer, b, pred)
         s_sel.wait_stream(s_pred)
         pred.record_stream(s_sel)
         with torch.cuda.stream(s_sel):
@@ -600,6 +602,11 @@ class SparseAttention:
         with torch.cuda.stream(s_xfer):
             self._transfer_async(layer, b, plan, initial=False, cap=self.cfg.fetch_cap)
             self.xfer_done[layer] = s_xfer.record_event()
+
+    def _remember_prediction(self, layer: int, b: DecodeBatch, pred: torch.Tensor) -> None:
+        """Keep this step's prediction for the next step's recall (with the requests it was made for)."""
+        if self.cfg.measure_recall:
+            self.pending_pred[layer] = (b.state_rows.clone(), pred, [x.seq_id for x in b.slices])
 
     def _record_recall(self, layer: int, b: DecodeBatch, q_true: torch.Tensor) -> None:
         """Recall of last step's prediction for this layer against the true query's top-K (SPEC item 1)."""
