@@ -77,9 +77,15 @@ def test_manager_all_or_nothing_and_fits_alone():
         kv.check_fits_alone(seq(20))
 
 
+def dense_scheduler(num_blocks: int, **config) -> tuple[KVCacheManager, Scheduler]:
+    """A dense KV manager of ``num_blocks`` 4-token blocks and a scheduler over it."""
+    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=num_blocks, num_host_blocks=0, top_k_blocks=8,
+                        max_model_len=500)
+    return kv, Scheduler(SchedulerConfig(**config), kv)
+
+
 def test_scheduler_continuous_batching_and_chunked_prefill():
-    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=64, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), kv)
+    kv, sched = dense_scheduler(64, max_num_seqs=8, max_num_batched_tokens=10)
     a, b = seq(25), seq(3)
     sched.add(a)
     sched.add(b)
@@ -95,8 +101,7 @@ def test_scheduler_continuous_batching_and_chunked_prefill():
 
 
 def test_scheduler_preempts_newest_and_frees_its_blocks():
-    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=4, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    kv, sched = dense_scheduler(4, max_num_batched_tokens=64)
     a, b = seq(8, 8), seq(8, 8)
     sched.add(a)
     sched.add(b)
@@ -126,8 +131,7 @@ def test_scheduler_modules_do_not_import_torch():
 def test_scheduler_admits_only_when_the_whole_prompt_fits():
     # 10 blocks of 4 tokens. a (8-token prompt) runs; b's 36-token prompt needs 9 blocks, more than the 8 left
     # next to a. Admitting b on its first 8-token chunk (the old rule) would have preempted it a few steps later.
-    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=10, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv)
+    kv, sched = dense_scheduler(10, max_num_batched_tokens=16)
     a, b = seq(8, 4), seq(36, 4)
     sched.add(a)
     sched.add(b)
@@ -144,8 +148,7 @@ def test_scheduler_admits_only_when_the_whole_prompt_fits():
 def test_scheduler_admission_reserves_running_prompts():
     # Two waiting 20-token prompts (5 blocks each) next to a running one that still has 16 tokens to prefill:
     # only what fits beside all three whole prompts is admitted in the same step.
-    kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=12, num_host_blocks=0, top_k_blocks=8, max_model_len=500)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv)
+    kv, sched = dense_scheduler(12, max_num_batched_tokens=8)
     a = seq(24, 4)
     sched.add(a)
     sched.schedule()                      # a: first 8 tokens (2 blocks); 16 more tokens = 4 blocks pending
