@@ -138,10 +138,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--profile", default="", help="write a cProfile summary of a few steps per point here")
+    ap.add_argument("--gather-ctas", default="",
+                    help="UVA gather grids to compare per point in oasiskv / fetch-on-demand (0: one CTA per copy); "
+                         "default: the engine's")
     ap.add_argument("--graphs", default="off,auto",
                     help="decode-step execution per point, side by side on one engine: off (eager), auto (CUDA graphs)")
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
+    gather_list = [int(x) for x in args.gather_ctas.split(",")] if args.gather_ctas else [None]
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
                "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "points": [], "sweep": []}
@@ -159,9 +163,13 @@ def main() -> None:
         graphs = eng.runner.graphs
         for ctx in [int(x) for x in args.context.split(",")]:
             for batch in args.batch_list:
-                for setting in graph_settings:
+                gathers = gather_list if mode in ("oasiskv", "fetch-on-demand") else [None]
+                for setting, ctas in ((s_, g_) for s_ in graph_settings for g_ in gathers):
                     eng.runner.graphs = graphs if setting == "auto" else None
                     point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting}
+                    if ctas is not None:
+                        eng.backend.cfg = replace(eng.backend.cfg, gather_ctas=ctas)
+                        point["gather_ctas"] = ctas
                     try:
                         place_requests(eng, batch, ctx, gen)
                         if hasattr(eng.backend, "reset_counters"):
@@ -189,6 +197,8 @@ def main() -> None:
                     print(json.dumps(point), flush=True)
                     save()
         eng.runner.graphs = graphs
+        if gather_list != [None] and mode in ("oasiskv", "fetch-on-demand"):
+            eng.backend.cfg = replace(eng.backend.cfg, gather_ctas=gather_list[0])  # the fetch-ratio sweep's grid
         if mode == "oasiskv" and args.sweep:
             batch, ctx = (int(x) for x in args.sweep_shape.split(","))
             for ratio in [float(x) for x in args.sweep.split(",")]:

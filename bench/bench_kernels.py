@@ -12,7 +12,9 @@
      config and a small config sweep; versus torch SDPA over the same tokens gathered
      densely ([B, Hkv, 2064, D], enable_gqa) on each SDPA backend that runs;
    * zero-copy UVA gather from pinned host memory, 4 / 16 / 64 KiB per (block, head)
-     copy, Triton and CUDA C kernels, against a bulk pinned host->device copy;
+     copy, Triton (grids of 8-132 CTAs or one per copy) and CUDA C kernels, against a bulk
+     pinned host->device copy;
+   * overlap: the gather on a side stream under decode-sized GEMMs on the main stream, per grid;
    * Quest score + top-k at 16K / 32K context (1024 / 2048 blocks), B=64, k=128;
    * summary update for one decode step (64 tokens).
 Writes JSON (``--out``, default ``$OUT/kernels.json`` or ./kernels.json) and prints a table.
@@ -302,11 +304,13 @@ def bench_gather(res, quick):
         dst, heads = pairs // Hkv, pairs % Hkv
         moved = 2 * n * kib * 1024
         row = dict(copies=n, bytes=moved)
-        for be in ("triton", "cuda"):
+        variants = [("triton", ug.GATHER_PROGRAMS, "triton"), ("cuda", 0, "cuda")]
+        variants += [("triton", p, f"triton_ctas{p}") for p in GATHER_GRIDS if p != ug.GATHER_PROGRAMS]
+        for be, progs, key in variants:
             try:
                 dk.fill_(float("nan"))
                 dv.fill_(float("nan"))
-                ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend=be)
+                ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend=be, programs=progs)
                 torch.cuda.synchronize()
                 # exactness on a sample of copies
                 sel = torch.randperm(n, device="cuda")[:64]
@@ -314,11 +318,13 @@ def bench_gather(res, quick):
                 good = all(torch.equal(hk[s_c[i], :, h_c[i]], dk[d_c[i], :, h_c[i]].cpu())
                            and torch.equal(hv[s_c[i], :, h_c[i]], dv[d_c[i], :, h_c[i]].cpu())
                            for i in range(len(sel)))
-                m, mn = time_ms(lambda: ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend=be),
+                m, mn = time_ms(lambda: ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend=be,
+                                                      programs=progs),
                                 warmup=3, reps=10 if quick else 20)
-                row[be] = dict(ms=m, GBps=moved / m / 1e6, GBps_best=moved / mn / 1e6, exact=good)
+                row[key] = dict(ms=m, GBps=moved / m / 1e6, GBps_best=moved / mn / 1e6, exact=good,
+                                ctas=progs or n)
             except Exception as e:
-                row[be] = dict(error=repr(e)[:300])
+                row[key] = dict(error=repr(e)[:300])
         out[f"{kib}KiB"] = row
         del dk, dv
     # ceiling: one bulk pinned host->device copy of the same byte count
@@ -341,6 +347,71 @@ def bench_gather(res, quick):
     out["ref_index_copy_4KiB"] = dict(copies=n, ms=m, GBps=2 * n * 4096 / m / 1e6)
     res["uva_gather"] = out
     del hk_flat, hv_flat
+
+
+GATHER_GRIDS = (0, 8, 16, 32, 64, 132)
+"""Grid sizes (CTAs) of the Triton gather swept here; 0 = one CTA per copy."""
+
+
+def bench_overlap(res, quick):
+    """Does a prefetch hide behind the step's kernels? A foreground of decode-sized GEMMs (weight reads, like a
+    decode step's projections: x [64, 4096] @ W [4096, 14336] bf16, repeated) on the current stream, and a
+    background UVA gather of 4 KiB (block, head) copies on a side stream (~256 MiB, about as long as the
+    foreground), alone and together, per gather grid. Hidden: foreground-with-gather ~= foreground alone and
+    the pair ends ~= max(alone times)."""
+    dt, Hkv, D, BS = torch.bfloat16, 8, 128, 16
+    nbh = (2 << 30) // (BS * Hkv * D * 2)
+    hk = torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()  # 2 GiB each, random pages
+    hv = torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()
+    n = (128 << 20) // (BS * D * 2)  # 128 MiB of K + 128 MiB of V
+    nbd = math.ceil(n / Hkv)
+    dk = torch.empty(nbd, BS, Hkv, D, dtype=dt, device="cuda")
+    dv = torch.empty_like(dk)
+    src = torch.randint(0, nbh, (n,), device="cuda")
+    pairs = torch.randperm(nbd * Hkv, device="cuda")[:n]
+    dst, heads = pairs // Hkv, pairs % Hkv
+    x = torch.randn(64, 4096, device="cuda", dtype=dt)
+    w = torch.randn(4096, 14336, device="cuda", dtype=dt)
+    side = torch.cuda.Stream()
+    reps = 3 if quick else 5
+
+    def fg():
+        for _ in range(160):
+            torch.mm(x, w)
+
+    def timed(run_fg, run_bg, progs):
+        """(foreground ms, background ms, both done ms) of one round, from one start event."""
+        cur = torch.cuda.current_stream()
+        t0, e_fg, e_bg = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        t0.record()
+        side.wait_stream(cur)
+        if run_bg:
+            with torch.cuda.stream(side):
+                ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend="triton", programs=progs)
+        e_bg.record(side)
+        if run_fg:
+            fg()
+        e_fg.record()
+        cur.wait_stream(side)
+        torch.cuda.synchronize()
+        return t0.elapsed_time(e_fg), t0.elapsed_time(e_bg), max(t0.elapsed_time(e_fg), t0.elapsed_time(e_bg))
+
+    def median(run_fg, run_bg, progs):
+        timed(run_fg, run_bg, progs)
+        rounds = [timed(run_fg, run_bg, progs) for _ in range(reps)]
+        return [statistics.median(r[i] for r in rounds) for i in range(3)]
+
+    fg_alone = median(True, False, 0)[0]
+    out = {"foreground_alone_ms": fg_alone, "gather_bytes": 2 * n * BS * D * 2, "copies": n, "grids": {}}
+    for progs in GATHER_GRIDS:
+        bg_alone = median(False, True, progs)[1]
+        f, b, both = median(True, True, progs)
+        out["grids"][str(progs or n)] = dict(
+            gather_alone_ms=bg_alone, gather_GBps=out["gather_bytes"] / bg_alone / 1e6,
+            foreground_with_gather_ms=f, gather_with_foreground_ms=b, both_ms=both,
+            foreground_slowdown=f / fg_alone, hidden_fraction=(fg_alone + bg_alone - both) / min(fg_alone, bg_alone))
+    res["gather_overlap"] = out
+    del hk, hv
 
 
 def bench_score(res, quick):
@@ -427,7 +498,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="attention,gather,score,summary")
+    ap.add_argument("--only", default="attention,gather,overlap,score,summary")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -442,8 +513,8 @@ def main():
         res["triton"] = triton.__version__
     except Exception:
         res["triton"] = None
-    parts = {"attention": bench_attention, "gather": bench_gather, "score": bench_score,
-             "summary": bench_summary}
+    parts = {"attention": bench_attention, "gather": bench_gather, "overlap": bench_overlap,
+             "score": bench_score, "summary": bench_summary}
     for name in args.only.split(","):
         t0 = time.time()
         try:
@@ -496,13 +567,23 @@ def print_table(res):
         for k, v in res["uva_gather"].items():
             if k.endswith("KiB") and "copies" in v and "triton" in v:
                 cells = []
-                for be in ("triton", "cuda"):
-                    x = v.get(be, {})
+                for be, x in v.items():
+                    if not isinstance(x, dict):
+                        continue
                     cells.append(f"{be}: {x['GBps']:.1f} GB/s (best {x['GBps_best']:.1f}, "
                                  f"exact={x['exact']})" if "GBps" in x else f"{be}: {x.get('error', '')[:60]}")
-                print(f"  {k:>6s} x {v['copies']:6d}: " + " | ".join(cells))
+                print(f"  {k:>6s} x {v['copies']:6d}:\n    " + "\n    ".join(cells))
             elif "GBps" in v:
                 print(f"  {k}: {v['GBps']:.1f} GB/s ({v['ms']:.2f} ms)")
+    if "gather_overlap" in res:
+        o = res["gather_overlap"]
+        print(f"\nGather under decode GEMMs (foreground alone {o['foreground_alone_ms']:.2f} ms, "
+              f"{o['gather_bytes'] / 2**20:.0f} MiB gathered)")
+        for g, x in o["grids"].items():
+            print(f"  {g:>6s} CTAs: gather alone {x['gather_alone_ms']:.2f} ms ({x['gather_GBps']:.1f} GB/s); "
+                  f"together: fg {x['foreground_with_gather_ms']:.2f} ms (x{x['foreground_slowdown']:.2f}), "
+                  f"gather {x['gather_with_foreground_ms']:.2f} ms, both {x['both_ms']:.2f} ms, "
+                  f"hidden {100 * x['hidden_fraction']:.0f}%")
     if "score_topk" in res:
         print("\nQuest score + top-128, B=64 Hq=32 Hkv=8 D=128")
         for k, v in res["score_topk"].items():

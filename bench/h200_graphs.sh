@@ -5,7 +5,9 @@
 #
 #   run(command="bash bench/h200_graphs.sh", timeout_s=600)
 #
-# BUDGET_S: seconds in all (default 570); BENCH_ARGS: extra bench_decode.py arguments.
+# BUDGET_S: seconds in all (default 570); BENCH_ARGS: extra bench_decode.py arguments; TESTS: pytest paths
+# (default: the graph and engine tests); KERNELS: bench_kernels.py parts to run first (e.g. gather,overlap;
+# default none); GRAPHS: graph settings per point (default off,auto); GATHER: UVA gather grids to compare.
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -20,28 +22,39 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
   free -g | head -2; nproc
 } >"$OUT/env.log" 2>&1
 
-timeout --kill-after=5 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_cuda_graphs.py \
-  tests/test_gpu_engine.py >"$OUT/gpu-tests.log" 2>&1
+timeout --kill-after=5 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
+  ${TESTS:-tests/test_cuda_graphs.py tests/test_gpu_engine.py} >"$OUT/gpu-tests.log" 2>&1
 echo "pytest exit $? at $(elapsed)s" | tee -a "$OUT/gpu-tests.log"
 tail -15 "$OUT/gpu-tests.log"
+
+if [ -n "${KERNELS:-}" ]; then
+  timeout --kill-after=5 150 python3 bench/bench_kernels.py --quick --only "$KERNELS" --out "$OUT/kernels.json" \
+    >"$OUT/kernels.log" 2>&1
+  echo "kernels exit $? at $(elapsed)s" | tee -a "$OUT/kernels.log"
+  tail -30 "$OUT/kernels.log"
+fi
 
 left=$(( BUDGET_S - $(elapsed) ))
 timeout --signal=INT --kill-after=10 "$left" python3 bench/bench_decode.py --model qwen3-8b \
   --modes "${MODES:-oasiskv,dense,oasiskv-no-transfer,fetch-on-demand,sparse-resident}" \
   --batch "${BATCH:-16,64,128}" --context "${CONTEXT:-16384,32768}" --warmup 3 --steps 5 \
-  --graphs off,auto --sweep "${SWEEP:-}" --out "$OUT/decode-graphs.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  --graphs "${GRAPHS:-off,auto}" ${GATHER:+--gather-ctas "$GATHER"} --sweep "${SWEEP:-}" \
+  --out "$OUT/decode-graphs.json" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
 echo "bench exit $? at $(elapsed)s" | tee -a "$OUT/bench.log"
 python3 - "$OUT/decode-graphs.json" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
 rows = {}
 for p in r["points"]:
-    rows.setdefault((p["mode"], p["context"], p["batch"]), {})[p["cuda_graphs"]] = p
-print(f"{'mode':20} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replays':>7}  note")
-for (mode, ctx, b), d in rows.items():
+    rows.setdefault((p["mode"], p.get("gather_ctas", "-"), p["context"], p["batch"]), {})[p["cuda_graphs"]] = p
+print(f"{'mode':20} {'grid':>4} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replays':>7}"
+      f" {'MB/step':>8}  note")
+for (mode, grid, ctx, b), d in rows.items():
     e, g = d.get("off", {}), d.get("auto", {})
     es, gs = e.get("step_ms"), g.get("step_ms")
     sp = f"{es / gs:.2f}x" if es and gs else "-"
+    mb = (g or e).get("fetched_bytes_per_step", 0) / 1e6
     note = e.get("error") or g.get("error") or g.get("graphs_disabled") or ""
-    print(f"{mode:20} {ctx:6} {b:4} {es or 0:9.1f} {gs or 0:9.1f} {sp:>8} {g.get('graph_replays', '-'):>7}  {note}")
+    print(f"{mode:20} {grid:>4} {ctx:6} {b:4} {es or 0:9.1f} {gs or 0:9.1f} {sp:>8} {g.get('graph_replays', '-'):>7}"
+          f" {mb:8.0f}  {note}")
 EOF

@@ -1,6 +1,6 @@
 // Zero-copy (UVA) gather of per-head KV blocks from pinned host memory into the GPU cache.
 //
-// For each i: host[src[i], :, heads[i], :] -> dev[dst[i], :, heads[i], :], for K and V,
+// For each i with src[i] >= 0: host[src[i], :, heads[i], :] -> dev[dst[i], :, heads[i], :], for K and V,
 // in ONE launch (grid = n copies x 2 tensors). The GPU reads the pinned host pages
 // directly over PCIe (no staging buffer, no per-block cudaMemcpy).
 //
@@ -25,6 +25,7 @@ __global__ void uva_gather_kernel(const char* __restrict__ hk, const char* __res
                                   int64_t ds_b, int64_t ds_t, int64_t ds_h,
                                   int block_size, int row_units) {
   const int64_t i = blockIdx.x;
+  if (src[i] < 0) return;  // an unused entry of a fixed-size plan
   const char* h = blockIdx.y ? hv : hk;
   char* d = blockIdx.y ? dv : dk;
   const int64_t head = heads[i];

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from oasiskv_runtime.ops.uva_gather import GATHER_PROGRAMS
+
 
 class Mode(str, Enum):
     """Engine modes: settings of one engine, so every comparison runs the same code on the same work."""
@@ -203,6 +205,9 @@ class SparseConfig:
     bound on step time; attention then reads stale slots, so outputs are meaningless)."""
     kernels: str = "auto"
     """'auto' (GPU kernels on CUDA, references on CPU), 'ref' (plain PyTorch everywhere), 'gpu'."""
+    gather_ctas: int = GATHER_PROGRAMS
+    """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
+    leave the SMs to the step's own kernels while the copies stream over PCIe."""
 
     def __post_init__(self) -> None:
         if self.top_k_blocks <= 0:
@@ -213,6 +218,8 @@ class SparseConfig:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
         if self.kernels not in ("auto", "ref", "gpu"):
             raise ValueError(f"kernels must be auto, ref or gpu, got {self.kernels!r}")
+        if self.gather_ctas < 0:
+            raise ValueError(f"gather_ctas must be >= 0 (0: one CTA per copy), got {self.gather_ctas}")
         object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))
 
     @property

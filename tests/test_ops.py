@@ -442,9 +442,15 @@ def test_summary_update_kernel_matches_ref(dtype, Hkv, D):
 @pytest.mark.parametrize("src_dev,dtype,BS,Hkv,D", [("pinned", torch.bfloat16, 16, 3, 128),
                                                     ("pinned", torch.float32, 8, 3, 48),
                                                     ("cuda", torch.bfloat16, 16, 2, 64)])
-def test_uva_gather_kernel_matches_ref(backend, src_dev, dtype, BS, Hkv, D):
+@pytest.mark.parametrize("programs", [0, 7, 32])
+def test_uva_gather_kernel_matches_ref(backend, src_dev, dtype, BS, Hkv, D, programs):
+    """Also: entries with src = -1 (unused slots of a fixed-size plan) copy nothing; a grid of fewer CTAs
+    than copies (each looping over its share) copies the same."""
+    if backend == "cuda" and programs:
+        pytest.skip("the CUDA C kernel has one CTA per copy")
     gen = _gen()
     hk, hv, dk, dv, src, dst, heads = _gather_inputs(gen, 301, 57, BS, Hkv, D, 113, dtype=dtype)
+    src = torch.where(torch.rand(src.shape, generator=gen) < 0.2, torch.full_like(src, -1), src)
     if src_dev == "pinned":
         hk, hv = hk.pin_memory(), hv.pin_memory()
     else:
@@ -452,7 +458,8 @@ def test_uva_gather_kernel_matches_ref(backend, src_dev, dtype, BS, Hkv, D):
     dk, dv = dk.cuda(), dv.cuda()
     a, b = dk.clone(), dv.clone()
     ug.uva_gather_ref(hk, hv, a, b, src, dst, heads)
-    used = ug.uva_gather(hk, hv, dk, dv, src.cuda(), dst.int(), heads.cuda(), backend=backend)
+    used = ug.uva_gather(hk, hv, dk, dv, src.cuda(), dst.int(), heads.cuda(), backend=backend,
+                         programs=programs)
     torch.cuda.synchronize()
     assert used == backend
     assert torch.equal(a, dk) and torch.equal(b, dv)

@@ -57,6 +57,9 @@ _KERNELS = None
 _CUDA_LIB = None
 _LOCK = threading.Lock()
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
+GATHER_PROGRAMS = 32
+"""Default grid of the Triton gather: 32 CTAs keep enough PCIe reads in flight for the link (two 4 KiB
+tiles each) while leaving the other SMs to the step's kernels (bench/NOTES.md, "Gather grid")."""
 
 
 _next_pow2 = next_pow2
@@ -127,32 +130,33 @@ def _kernels():
     triton, tl = _triton, _tl
 
     @triton.jit
-    def _uva_gather_kernel(HK, HV, DK, DV, SRC, DST, HEADS,
+    def _uva_gather_kernel(HK, HV, DK, DV, SRC, DST, HEADS, n, programs,
                            hs_b, hs_t, hs_h, ds_b, ds_t, ds_h, BS,
                            D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
-        i = tl.program_id(0)
-        which = tl.program_id(1)
-        src = tl.load(SRC + i).to(tl.int64)
-        dst = tl.load(DST + i).to(tl.int64)
-        hd = tl.load(HEADS + i).to(tl.int64)
-        valid = src >= 0  # fixed-size plans mark unused entries with src = -1 (no host sync to compact)
-        src = tl.maximum(src, 0)
-        dst = tl.maximum(dst, 0)
+        # A grid of `programs` CTAs, each looping over copies pid, pid + programs, ... (K and V of a copy
+        # are loaded before either is stored: two tiles of PCIe reads in flight per CTA). A small grid leaves
+        # the other SMs to the foreground kernels: PCIe reads stall their CTA for microseconds, and a grid
+        # of one CTA per copy fills every SM's thread slots until the whole transfer is done.
         r = tl.arange(0, ROWS)
         d = tl.arange(0, D_PAD)
-        s_base = src * hs_b + hd * hs_h
-        d_base = dst * ds_b + hd * ds_h
-        for r0 in range(0, BS, ROWS):
-            rr = r0 + r
-            m = (rr < BS)[:, None] & (d < D)[None, :] & valid
-            s_off = s_base + (rr * hs_t)[:, None] + d[None, :]
-            d_off = d_base + (rr * ds_t)[:, None] + d[None, :]
-            if which == 0:
-                x = tl.load(HK + s_off, mask=m)
-                tl.store(DK + d_off, x, mask=m)
-            else:
-                x = tl.load(HV + s_off, mask=m)
-                tl.store(DV + d_off, x, mask=m)
+        for i in range(tl.program_id(0), n, programs):
+            src = tl.load(SRC + i).to(tl.int64)
+            dst = tl.load(DST + i).to(tl.int64)
+            hd = tl.load(HEADS + i).to(tl.int64)
+            valid = src >= 0  # fixed-size plans mark unused entries with src = -1 (no host sync to compact)
+            src = tl.maximum(src, 0)
+            dst = tl.maximum(dst, 0)
+            s_base = src * hs_b + hd * hs_h
+            d_base = dst * ds_b + hd * ds_h
+            for r0 in range(0, BS, ROWS):
+                rr = r0 + r
+                m = (rr < BS)[:, None] & (d < D)[None, :] & valid
+                s_off = s_base + (rr * hs_t)[:, None] + d[None, :]
+                d_off = d_base + (rr * ds_t)[:, None] + d[None, :]
+                xk = tl.load(HK + s_off, mask=m)
+                xv = tl.load(HV + s_off, mask=m)
+                tl.store(DK + d_off, xk, mask=m)
+                tl.store(DV + d_off, xv, mask=m)
 
     @triton.jit
     def _uva_scatter_kernel(SRC_K, SRC_V, HK, HV, SRC_ROWS, DST_ROWS, W: tl.constexpr, W_PAD: tl.constexpr):
@@ -186,7 +190,7 @@ def _host_ptrs(host_k, host_v):
     return _MappedPtr(host_k), _MappedPtr(host_v)
 
 
-def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n):
+def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs):
     K = _kernels()
     _, BS, H, D = host_k.shape
     if host_k.stride() != host_v.stride() or dev_k.stride() != dev_v.stride():
@@ -195,12 +199,13 @@ def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n):
         raise ValueError("unit stride on head_dim required")
     D_PAD = _next_pow2(D)
     rows = max(1, min(_next_pow2(BS), 8192 // max(D_PAD, 1)))  # <= 8K elements per tile
+    grid = n if programs <= 0 else min(n, programs)
     hk, hv = _host_ptrs(host_k, host_v)
     with torch.cuda.device(dev_k.device):
-        K.gather[(n, 2)](hk, hv, dev_k, dev_v, src, dst, heads,
-                         host_k.stride(0), host_k.stride(1), host_k.stride(2),
-                         dev_k.stride(0), dev_k.stride(1), dev_k.stride(2), BS,
-                         D=D, D_PAD=D_PAD, ROWS=rows, num_warps=4)
+        K.gather[(grid,)](hk, hv, dev_k, dev_v, src, dst, heads, n, grid,
+                          host_k.stride(0), host_k.stride(1), host_k.stride(2),
+                          dev_k.stride(0), dev_k.stride(1), dev_k.stride(2), BS,
+                          D=D, D_PAD=D_PAD, ROWS=rows, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------
@@ -274,12 +279,14 @@ _PREFERRED = ("triton", "cuda")
 
 def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                dev_v: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
-               heads: torch.Tensor, *, backend: str = "auto") -> str:
+               heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_PROGRAMS) -> str:
     """Copy the listed (block, head) slices host -> device in one kernel launch.
 
     ``backend``: ``"auto"`` (Triton, else the CUDA C kernel; the reference when
     ``dev_k`` is not on CUDA), ``"triton"``, ``"cuda"`` or ``"ref"``. Index tensors may
-    live on the host or the device (int32/int64). Returns the backend used.
+    live on the host or the device (int32/int64). ``programs``: CTAs in the Triton kernel's grid, each
+    looping over its share of the copies (``<= 0``: one CTA per copy, the CUDA C kernel's layout).
+    Returns the backend used.
     """
     n = _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
     if backend not in ("auto", "triton", "cuda", "ref"):
@@ -298,7 +305,7 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
             if be == "triton":
                 if backend == "auto" and not _triton_available():
                     continue
-                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n)
+                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n, programs)
             else:
                 _gather_cuda(host_k, host_v, dev_k, dev_v, src, dst, hd, n)
             return be

@@ -253,7 +253,8 @@ class SparseAttention:
 
     def graph_key(self) -> tuple:
         """Python values a captured step bakes in besides the batch shape."""
-        return (self.cfg.fetch_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks)
+        return (self.cfg.fetch_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks,
+                self.cfg.gather_ctas)
 
     def graph_fields(self, seqs, ctxs, tables, rows, has_draft, fields, static, max_blocks) -> dict:
         """Add this backend's per-request vectors to ``fields`` and update its per-request tables."""
@@ -545,7 +546,8 @@ class SparseAttention:
             self.remote.ensure(layer, src[valid])  # a host round trip: prefill-decode cache misses only
         if not self.cfg.disable_transfers:
             uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
-                       self.dev_cache.v[layer], src.flatten(), dst.flatten(), hidx.flatten())
+                       self.dev_cache.v[layer], src.flatten(), dst.flatten(), hidx.flatten(),
+                       programs=self.cfg.gather_ctas)
         count = valid.sum((1, 2))
         if initial:
             self.dev_initial += count.sum()
