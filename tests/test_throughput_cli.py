@@ -165,6 +165,38 @@ def test_engine_reused_only_when_counters_can_be_reset(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["dense", "oasiskv"])
+def test_engine_cache_frees_the_old_engine_before_building_the_next(tiny, monkeypatch, mode):
+    """The next point's engine sizes its KV to the memory left, so the engine it replaces must be gone when the
+    build starts, without waiting for a garbage collection. (On the H200 a dense-then-oasiskv suite ran the
+    oasiskv engine out of memory: a bound ``reset_stats`` of the dense engine was still held during the build.)"""
+    import gc
+    import weakref
+
+    import oasiskv_runtime
+
+    points = [{"model": tiny, "mode": mode, "context_len": 40, "concurrency": 1, "device": "cpu", "output_len": 4,
+               "top_k_blocks": 3, "block_size": 8, "cuda_graphs": "static", "kv_cache_gb": gb} for gb in (0.01, 0.02)]
+    first, second = tp.plan_points(points)
+    cache = tp._EngineCache()
+    tp.run_point(first, cache)
+    ref = weakref.ref(cache.llm.engine)
+    alive_at_build = []
+    real_llm = oasiskv_runtime.LLM
+
+    def build(*a, **k):
+        alive_at_build.append(ref() is not None)
+        return real_llm(*a, **k)
+
+    monkeypatch.setattr(oasiskv_runtime, "LLM", build)
+    gc.disable()  # only the cache's own doing may free it
+    try:
+        cache.get(second)
+    finally:
+        gc.enable()
+    assert cache.num_builds == 2 and alive_at_build == [False]
+
+
+@pytest.mark.parametrize("mode", ["dense", "oasiskv"])
 def test_warm_up_leaves_counted_metrics_unchanged(tiny, monkeypatch, mode):
     # The warm-up request runs on the point's engine before timing; its counters are zeroed, and it must not
     # shift what the gate checks (tokens, bytes, batches, recall).

@@ -206,11 +206,10 @@ class _EngineCache:
         from oasiskv_runtime import LLM
 
         key = repr(planned.engine.to_dict())
-        reset = getattr(self.llm.engine, "reset_stats", None) if self.llm is not None else None
-        if key == self.key and callable(reset):
-            reset()
+        if key == self.key and callable(getattr(self.llm.engine, "reset_stats", None)):
+            self.llm.engine.reset_stats()
             return self.llm
-        self.drop()
+        self.drop()  # hold no reference to the old engine here (not even a bound method): its memory must go first
         p = planned.point
         self.llm = LLM(p["model"], device=p["device"], dtype=p["dtype"], mode=p["mode"], seed=p["seed"],
                        **engine_overrides(p))
@@ -220,8 +219,13 @@ class _EngineCache:
         return self.llm
 
     def drop(self) -> None:
-        """Release the engine (after an OOM, its memory must go back before the next build)."""
+        """Release the engine before the next build (which sizes its KV to the memory left; after an OOM too).
+        An engine holds reference cycles (its runner and CUDA graphs, the backend's streams and events): only a
+        collection frees its GPU memory, and waiting for the automatic one made the next engine run out."""
+        import gc
+
         self.llm, self.key = None, None
+        gc.collect()
         import torch
 
         if torch.cuda.is_available():
