@@ -12,9 +12,13 @@ CUDA graph with new values:
   device tables that only receive the entries that changed since the last step (a table only grows while a
   request runs), then gathered into the batch's rows with ``index_select(out=...)``.
 
-Graphs are keyed by (batch size, candidate-block bucket, the backend's baked-in settings): the batch is exact
-(no padding, so no padded row ever writes shared state), and the block bucket rounds the longest context up
-to ``BLOCK_BUCKET`` blocks (scoring kernels mask columns past each request's own count). A key is captured the
+Graphs are keyed by (padded batch size, candidate-block bucket, the backend's baked-in settings). The batch is
+padded up to the next of ``BATCH_BUCKETS`` (as vLLM does), so a batch that shrinks and grows as requests come and
+go replays a few graphs instead of capturing one per size. Padding rows compute as a scratch request at position
+0 whose blocks no real request reads (``KVCacheManager.add_scratch_request``): everything they write lands there,
+and with no candidate blocks they predict, select and fetch nothing, so no counter moves. The block bucket
+rounds the longest context up to ``BLOCK_BUCKET`` blocks (scoring kernels mask columns past each request's own
+count). A key is captured the
 second time it runs (its first run is eager on the static buffers: the warm-up that compiles kernels); keys
 seen once are never captured. Everything the graph reads is a persistent buffer; nothing inside it talks to
 the host. A step that also prefills is split: its decode requests run here, its prefill chunks eagerly after
@@ -35,10 +39,14 @@ import torch
 
 from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.kv_cache_manager import cdiv
+from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.ops.common import host_list_to
+from oasiskv_runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+BATCH_BUCKETS = (1, 2, 4) + tuple(range(8, 1025, 8))
+"""Batch sizes graphs are captured for; a decode batch is padded up to the next one (larger batches: exact)."""
 BLOCK_BUCKET = 256
 """Candidate blocks are rounded up to a multiple of this (4,096 tokens at block size 16) per graph key."""
 CAPTURE_SIGHTS = 2
@@ -95,7 +103,7 @@ class StaticBatch:
     """The static inputs of one decode step, handed to the attention backend in ``StepMetadata.extra``."""
 
     size: int
-    """Requests in the batch (B)."""
+    """Rows in the batch (B): the step's requests, then padding rows up to the graph's batch size."""
     block_bucket: int
     """Candidate blocks every graph-side kernel is sized for (>= every request's count this step)."""
     vec: dict[str, torch.Tensor]
@@ -205,7 +213,11 @@ class DecodeGraphs:
         self.block_size = cfg.cache.block_size
         self.uses_draft = cfg.mode.uses_draft
         self.max_blocks = cdiv(runner.kv.max_model_len, self.block_size) + 1
-        self.static = StaticInputs(runner.device, cfg.scheduler.max_num_seqs)
+        self.max_requests = cfg.scheduler.max_num_seqs
+        self.static = StaticInputs(runner.device, self.max_requests + 1)  # + the padding rows' scratch request
+        self.pad_seq: Sequence | None = Sequence([0], SamplingParams(max_tokens=1))
+        if not runner.kv.add_scratch_request(self.pad_seq):
+            self.pad_seq = None  # no blocks to spare: exact batch sizes
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.sights: dict[tuple, int] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -214,6 +226,7 @@ class DecodeGraphs:
         self.num_captures = 0
         self.num_static_eager = 0
         self.num_split_steps = 0
+        self.num_padded_rows = 0
 
     def forget(self, seq_id: int) -> None:
         self.static.forget(seq_id)
@@ -230,7 +243,7 @@ class DecodeGraphs:
         if self.disabled_reason is not None or self.runner.capture_layers:
             return None
         decode = [s for s in sched.scheduled if s.num_tokens == 1 and s.completes and s.seq.num_computed_tokens >= 1]
-        if not decode or len(decode) > self.static.max_rows:
+        if not decode or len(decode) > self.max_requests:
             return None
         be = self.runner.backend
         ready = getattr(be, "graph_ready", None)
@@ -238,7 +251,7 @@ class DecodeGraphs:
             return None
         longest = max(s.seq.num_computed_tokens + 1 for s in decode)
         bucket = min(cdiv(max(1, longest // self.block_size), BLOCK_BUCKET) * BLOCK_BUCKET, self.max_blocks)
-        key = (len(decode), bucket, tuple(be.graph_key()))
+        key = (self.padded_size(len(decode)), bucket, tuple(be.graph_key()))
         mixed = len(decode) < len(sched.scheduled)
         if mixed and not getattr(be, "graph_split_mixed", True):
             return None
@@ -248,7 +261,15 @@ class DecodeGraphs:
                 return None
         return decode, key
 
+    def padded_size(self, n: int) -> int:
+        """The batch size a decode step of ``n`` requests runs at (graphs are captured per padded size)."""
+        if self.pad_seq is None:
+            return n
+        return next((b for b in BATCH_BUCKETS if b >= n), n)
+
     def _prepare(self, seqs: list, drafts: dict[int, int], step: int, key: tuple) -> StepMetadata:
+        real = len(seqs)
+        seqs = seqs + [self.pad_seq] * (key[0] - real)
         bs, n = self.block_size, len(seqs)
         runner, static = self.runner, self.static
         ids, pos, slots, rows, has_draft = [], [], [], [], []
@@ -268,8 +289,9 @@ class DecodeGraphs:
             d_pos.append(p + 1)
             tables.append(table)
             ctxs.append(p + 1)
-            slices.append(SeqSlice(seq.seq_id, i, 1, p + 1, table,
-                                   n + i if (d is not None and self.uses_draft) else None, True))
+            if i < real:  # the step's requests; padding rows have none (nothing per request is kept for them)
+                slices.append(SeqSlice(seq.seq_id, i, 1, p + 1, table,
+                                       n + i if (d is not None and self.uses_draft) else None, True))
         fields = {"input_ids": ids + (d_ids if self.uses_draft else []),
                   "positions": pos + (d_pos if self.uses_draft else []),
                   "slot_mapping": slots + ([-1] * n if self.uses_draft else []),
@@ -289,6 +311,7 @@ class DecodeGraphs:
         states of their token rows."""
         runner, be = self.runner, self.runner.backend
         meta = self._prepare([s.seq for s in decode], drafts, runner.step_index, key)
+        self.num_padded_rows += key[0] - len(decode)
         be.begin_step(meta)
         batch = meta.extra["static"]
         entry = self.graphs.get(key) if self.capture else None
@@ -307,7 +330,7 @@ class DecodeGraphs:
                 if self.sights[key] >= CAPTURE_SIGHTS:
                     self._capture(key, meta)
         be.end_step()
-        return meta, hidden[:batch.size]
+        return meta, hidden[:len(decode)]
 
     def _capture(self, key: tuple, meta: StepMetadata) -> None:
         runner, be = self.runner, self.runner.backend
@@ -332,8 +355,9 @@ class DecodeGraphs:
 
     def reset_counters(self) -> None:
         self.num_replays = self.num_captures = self.num_static_eager = self.num_split_steps = 0
+        self.num_padded_rows = 0
 
     def stats(self) -> dict:
         return {"graph_replays": self.num_replays, "graph_captures": self.num_captures,
                 "static_eager_steps": self.num_static_eager, "split_steps": self.num_split_steps,
-                "graphs_disabled": self.disabled_reason}
+                "graph_padding_rows": self.num_padded_rows, "graphs_disabled": self.disabled_reason}

@@ -52,6 +52,8 @@ class KVCacheManager:
         self.device_pool = BlockPool(num_device_blocks, "device")
         self.host_pool = BlockPool(num_host_blocks if mode.uses_host_pool else 0, "host")
         self.requests: dict[int, RequestBlocks] = {}
+        self.scratch_blocks = (0, 0)
+        """(device, host) blocks held by :meth:`add_scratch_request` for good (no request can use them)."""
 
     def num_ws_slots(self, max_len: int) -> int:
         """Selection slots per request: always ``top_k_blocks`` (uniform shapes let one batched selection and
@@ -76,15 +78,39 @@ class KVCacheManager:
     def check_fits_alone(self, seq: Sequence) -> None:
         """Raise when the request could not run even with the whole budget to itself."""
         device, host = self._needs(seq, self.max_len(seq))
-        if device > self.device_pool.num_blocks:
+        usable_device = self.device_pool.num_blocks - self.scratch_blocks[0]
+        usable_host = self.host_pool.num_blocks - self.scratch_blocks[1]
+        if device > usable_device:
             raise ValueError(
                 f"KV cache budget too small for one request: {len(seq.prompt_token_ids)} prompt tokens + "
                 f"{seq.params.max_tokens} output tokens need {device} device blocks in mode {self.mode.value}, "
-                f"the budget holds {self.device_pool.num_blocks}; raise kv_cache_bytes (--kv-cache-gb)")
-        if host > self.host_pool.num_blocks:
+                f"the budget holds {usable_device}; raise kv_cache_bytes (--kv-cache-gb)")
+        if host > usable_host:
             raise ValueError(
                 f"host KV pool too small for one request: needs {host} host blocks, the pool holds "
-                f"{self.host_pool.num_blocks}; raise host_kv_bytes")
+                f"{usable_host}; raise host_kv_bytes")
+
+    def add_scratch_request(self, seq: Sequence) -> bool:
+        """Give ``seq`` (a one-token request that never runs) blocks of its own for good: the padding rows of a
+        CUDA-graph batch (engine/cuda_graphs.py) compute as this request at position 0, so everything they write
+        (their token's KV, its key summary, in host-pool modes the host row and the local block) lands in blocks
+        no real request reads. Its working-set slots all alias its local block: a request at position 0 has no
+        candidate blocks, so nothing is ever fetched into them. False (nothing held) when the pools are short."""
+        need_device = 1 + int(self.mode.is_sparse)
+        need_host = int(self.mode.uses_host_pool)
+        if need_device > self.device_pool.num_free or need_host > self.host_pool.num_free:
+            return False
+        dev = self.device_pool.allocate(need_device)
+        rb = RequestBlocks()
+        if self.mode.uses_host_pool:
+            rb.host_blocks = self.host_pool.allocate(need_host)
+            rb.ws_blocks = [dev[0]] * (self.num_ws_slots(1) + 1)
+        else:
+            rb.device_blocks = [dev[0]]
+        rb.summary_blocks = dev[1:]
+        self.requests[seq.seq_id] = rb
+        self.scratch_blocks = (self.scratch_blocks[0] + need_device, self.scratch_blocks[1] + need_host)
+        return True
 
     def pending_needs(self, seq: Sequence) -> tuple[int, int]:
         """(device, host) blocks ``seq`` still has to get to hold KV for all its current tokens."""

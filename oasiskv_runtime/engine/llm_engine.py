@@ -123,7 +123,7 @@ class LLMEngine:
             if not 0 <= layer < mc.num_layers:
                 raise ValueError(f"dense_layers: layer {layer} out of range (model has {mc.num_layers} layers)")
         return SparseAttention(mode, self.config.sparse, mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, cache,
-                               host, self.kv, scale, self.config.scheduler.max_num_seqs, device)
+                               host, self.kv, scale, self.config.scheduler.max_num_seqs + 1, device)  # + graphs' padding
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
