@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from oasiskv_runtime.ops.uva_gather import GATHER_PROGRAMS
+GATHER_CTAS = 32
+"""Default grid of the UVA gather kernel: 32 CTAs keep enough PCIe reads in flight for the link (two 4 KiB tiles
+each) while leaving the other SMs to the step's kernels (bench/NOTES.md, "Gather grid")."""
 
 
 class Mode(str, Enum):
@@ -205,7 +207,7 @@ class SparseConfig:
     bound on step time; attention then reads stale slots, so outputs are meaningless)."""
     kernels: str = "auto"
     """'auto' (GPU kernels on CUDA, references on CPU), 'ref' (plain PyTorch everywhere), 'gpu'."""
-    gather_ctas: int = GATHER_PROGRAMS
+    gather_ctas: int = GATHER_CTAS
     """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
     leave the SMs to the step's own kernels while the copies stream over PCIe."""
 

@@ -46,6 +46,7 @@ from typing import Optional
 
 import torch
 
+from oasiskv_runtime.config import GATHER_CTAS
 from oasiskv_runtime.ops.common import loads, next_pow2
 
 __all__ = ["uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
@@ -57,9 +58,7 @@ _KERNELS = None
 _CUDA_LIB = None
 _LOCK = threading.Lock()
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
-GATHER_PROGRAMS = 32
-"""Default grid of the Triton gather: 32 CTAs keep enough PCIe reads in flight for the link (two 4 KiB
-tiles each) while leaving the other SMs to the step's kernels (bench/NOTES.md, "Gather grid")."""
+GATHER_PROGRAMS = GATHER_CTAS
 
 
 _next_pow2 = next_pow2
