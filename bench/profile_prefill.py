@@ -1,0 +1,100 @@
+"""Where a prefill step's time goes, per mode: the engine's own steps under torch.profiler (random weights).
+
+In the end-to-end runs (bench/NOTES.md, "Padded batch buckets") an oasiskv step that carries an 8,192-token
+prefill chunk costs ~200 ms more than dense's. This script runs the same kind of step in each mode in one
+process and prints, per mode: the wall time of every step (prefill or decode), then the profiler's top ops by
+GPU time and by host time over the profiled steps.
+
+    python bench/profile_prefill.py --model qwen3-8b --context 16384 --chunk 8192 --modes dense,oasiskv \
+        --out prefill-profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from oasiskv_runtime import LLM, SamplingParams
+
+GiB = 1 << 30
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def steps_of(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[str, float]]:
+    """Run ``prompts`` to completion one engine step at a time; (kind, ms) per step."""
+    eng = llm.engine
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+            for p in prompts]
+    out = []
+    while eng.has_unfinished():
+        kind = "prefill" if any(s.num_computed_tokens < len(s.prompt_token_ids) for s in seqs
+                                if not s.is_finished) else "decode"
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        out.append((kind, (time.perf_counter() - t0) * 1e3))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--modes", default="dense,oasiskv")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--host-gb", type=float, default=8.0)
+    ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (timings mean nothing)")
+    ap.add_argument("--out", default="prefill-profile.txt")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    report = [f"model {args.model} (random weights), {args.requests} requests x {args.context} tokens, chunk "
+              f"{args.chunk}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"]
+    for mode in args.modes.split(","):
+        llm = LLM(args.model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", mode=mode, kv_cache_gb=args.kv_gb,
+                  host_kv_bytes=int(args.host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=128,
+                  fetch_ratio=0.05, max_num_seqs=max(8, args.requests))
+        vocab = llm.engine.model_config.vocab_size
+
+        def prompts() -> list[list[int]]:
+            return [torch.randint(10, vocab, (args.context - args.new_tokens,), generator=gen).tolist()
+                    for _ in range(args.requests)]
+
+        warm = steps_of(llm, prompts(), args.new_tokens)  # Triton compilation, first captures
+        timed = steps_of(llm, prompts(), args.new_tokens)
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                        if args.device == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            profiled = steps_of(llm, prompts(), args.new_tokens)
+        pre = [ms for k, ms in timed if k == "prefill"]
+        dec = [ms for k, ms in timed if k == "decode"]
+        report.append(f"\n==== {mode}: prefill steps {len(pre)} x {sum(pre) / max(1, len(pre)):.1f} ms "
+                      f"({', '.join(f'{x:.0f}' for x in pre)}); decode steps {len(dec)} x "
+                      f"{sum(dec) / max(1, len(dec)):.1f} ms; warm-up run {sum(ms for _, ms in warm):.0f} ms; "
+                      f"profiled run {sum(ms for _, ms in profiled):.0f} ms (profiler overhead included)")
+        ka = prof.key_averages()
+        if args.device == "cuda":
+            report.append(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+        report.append(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+        print("\n".join(report[-3:]), flush=True)  # header line + tables
+        with open(args.out, "w") as f:
+            f.write("\n".join(report) + "\n")
+        del llm, prof
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
