@@ -12,8 +12,11 @@ GPU time and by host time over the profiled steps.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -44,6 +47,30 @@ def steps_of(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[
     return out
 
 
+def sync_sites(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[int, str]]:
+    """Run ``prompts`` with torch's sync debug mode on: (count, where) of every host synchronisation, by the
+    innermost frames of this project that triggered it."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "oasiskv_runtime" in f.filename]
+        where = " <- ".join(f"{f.filename.split('oasiskv_runtime/')[-1]}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+        sites[where or f"{filename}:{lineno}"] += 1
+
+    old = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            steps_of(llm, prompts, new_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    return [(n, w) for w, n in sites.most_common()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -55,6 +82,7 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument("--host-gb", type=float, default=8.0)
     ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--sync-sites", action="store_true", help="also list where the steps synchronise with the host")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (timings mean nothing)")
     ap.add_argument("--out", default="prefill-profile.txt")
     args = ap.parse_args()
@@ -87,6 +115,9 @@ def main() -> None:
         if args.device == "cuda":
             report.append(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         report.append(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+        if args.sync_sites and args.device == "cuda":
+            report.append("host synchronisations (count, innermost project frames):")
+            report += [f"  {n:5d}  {w}" for n, w in sync_sites(llm, prompts(), args.new_tokens)]
         print("\n".join(report[-3:]), flush=True)  # header line + tables
         with open(args.out, "w") as f:
             f.write("\n".join(report) + "\n")
