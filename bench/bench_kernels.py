@@ -276,6 +276,16 @@ def bench_attention(res, quick):
         speed_ratio_best=fastest / res["attention_best"]["ms"])
 
 
+def gather_plan(n, num_host_blocks, BS, Hkv, D, dt):
+    """Device K/V targets for ``n`` (block, head) copies, random sources, distinct random (block, head) targets."""
+    nbd = math.ceil(n / Hkv)
+    dk = torch.empty(nbd, BS, Hkv, D, dtype=dt, device="cuda")
+    dv = torch.empty_like(dk)
+    src = torch.randint(0, num_host_blocks, (n,), device="cuda")
+    pairs = torch.randperm(nbd * Hkv, device="cuda")[:n]
+    return dk, dv, src, pairs // Hkv, pairs % Hkv
+
+
 def bench_gather(res, quick):
     dt, Hkv, D = torch.bfloat16, 8, 128
     pool_bytes = 512 << 20
@@ -296,12 +306,7 @@ def bench_gather(res, quick):
         hk = hk_flat.view(NBh, BS, Hkv, D)
         hv = hv_flat.view(NBh, BS, Hkv, D)
         n = per_tensor // (kib * 1024)
-        NBd = math.ceil(n / Hkv)
-        dk = torch.empty(NBd, BS, Hkv, D, dtype=dt, device="cuda")
-        dv = torch.empty_like(dk)
-        src = torch.randint(0, NBh, (n,), device="cuda")
-        pairs = torch.randperm(NBd * Hkv, device="cuda")[:n]
-        dst, heads = pairs // Hkv, pairs % Hkv
+        dk, dv, src, dst, heads = gather_plan(n, NBh, BS, Hkv, D, dt)
         moved = 2 * n * kib * 1024
         row = dict(copies=n, bytes=moved)
         variants = [("triton", ug.GATHER_PROGRAMS, "triton"), ("cuda", 0, "cuda")]
@@ -364,12 +369,7 @@ def bench_overlap(res, quick):
     hk = torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()  # 2 GiB each, random pages
     hv = torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()
     n = (128 << 20) // (BS * D * 2)  # 128 MiB of K + 128 MiB of V
-    nbd = math.ceil(n / Hkv)
-    dk = torch.empty(nbd, BS, Hkv, D, dtype=dt, device="cuda")
-    dv = torch.empty_like(dk)
-    src = torch.randint(0, nbh, (n,), device="cuda")
-    pairs = torch.randperm(nbd * Hkv, device="cuda")[:n]
-    dst, heads = pairs // Hkv, pairs % Hkv
+    dk, dv, src, dst, heads = gather_plan(n, nbh, BS, Hkv, D, dt)
     x = torch.randn(64, 4096, device="cuda", dtype=dt)
     w = torch.randn(4096, 14336, device="cuda", dtype=dt)
     side = torch.cuda.Stream()
