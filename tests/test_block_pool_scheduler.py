@@ -159,3 +159,41 @@ def test_scheduler_admission_reserves_running_prompts():
     sched.config = SchedulerConfig(max_num_batched_tokens=40)
     out = sched.schedule()                # a takes its 4 blocks; 6 free: b (5) fits, c would not
     assert [s.seq for s in out.scheduled] == [a, b] and list(sched.waiting) == [c]
+
+
+@pytest.mark.parametrize("mode", [Mode.DENSE, Mode.OASISKV])
+def test_scratch_request_blocks_are_its_own_and_not_usable_by_requests(mode):
+    """The padding rows of CUDA-graph batches write into a scratch request's blocks: they must be distinct from
+    every real request's, and a request that would need them must be refused up front, not admitted alone and
+    then stuck short of blocks."""
+    kv = KVCacheManager(mode, 4, num_device_blocks=14, num_host_blocks=12, top_k_blocks=3, max_model_len=100)
+    scratch = seq(1, 1)
+    assert kv.add_scratch_request(scratch)
+    rb = kv.requests[scratch.seq_id]
+    held_device = set(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
+    assert len(held_device) == kv.scratch_blocks[0] == (2 if mode.is_sparse else 1)
+    assert len(rb.host_blocks) == kv.scratch_blocks[1] == (1 if mode.uses_host_pool else 0)
+    if mode.uses_host_pool:  # every working-set slot aliases the local block: nothing is ever fetched into them
+        assert len(rb.ws_blocks) == 3 + 1 and set(rb.ws_blocks) == {rb.ws_blocks[0]}
+    # The largest request the remaining blocks hold is accepted; one block more is refused by check_fits_alone.
+    usable = 14 - kv.scratch_blocks[0]
+    if mode.is_sparse:  # oasiskv: the context on the host (11 of 12 blocks usable); 7 device blocks either way
+        fits, too_big = seq(40, 4), seq(41, 4)  # 44 tokens = 11 host blocks vs 45 = 12
+        assert usable >= 7
+    else:
+        fits, too_big = seq(4 * usable - 4, 4), seq(4 * usable - 3, 4)
+    kv.check_fits_alone(fits)
+    with pytest.raises(ValueError, match="too small for one request"):
+        kv.check_fits_alone(too_big)
+    a = seq(8, 4)
+    assert kv.allocate(a, 8)
+    ra = kv.requests[a.seq_id]
+    assert held_device.isdisjoint(ra.device_blocks + ra.ws_blocks + ra.summary_blocks)
+    assert set(rb.host_blocks).isdisjoint(ra.host_blocks)
+
+
+def test_scratch_request_refused_when_the_pools_are_short():
+    kv = KVCacheManager(Mode.OASISKV, 4, num_device_blocks=1, num_host_blocks=4, top_k_blocks=3, max_model_len=100)
+    s = seq(1, 1)
+    assert not kv.add_scratch_request(s)
+    assert s.seq_id not in kv.requests and kv.scratch_blocks == (0, 0) and kv.device_pool.num_free == 1
