@@ -161,9 +161,10 @@ def main() -> None:
         preloaded = preloaded or (eng.model, eng.tokenizer, eng.model_config)
         kv_bytes_per_token = eng.model_config.kv_bytes_per_token(2)
         graphs = eng.runner.graphs
+        gathering = mode in ("oasiskv", "fetch-on-demand")  # the modes whose steps run the UVA gather
         for ctx in [int(x) for x in args.context.split(",")]:
             for batch in args.batch_list:
-                gathers = gather_list if mode in ("oasiskv", "fetch-on-demand") else [None]
+                gathers = gather_list if gathering else [None]
                 for setting, ctas in ((s_, g_) for s_ in graph_settings for g_ in gathers):
                     eng.runner.graphs = graphs if setting == "auto" else None
                     point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting}
@@ -197,7 +198,7 @@ def main() -> None:
                     print(json.dumps(point), flush=True)
                     save()
         eng.runner.graphs = graphs
-        if gather_list != [None] and mode in ("oasiskv", "fetch-on-demand"):
+        if gathering and gather_list != [None]:
             eng.backend.cfg = replace(eng.backend.cfg, gather_ctas=gather_list[0])  # the fetch-ratio sweep's grid
         if mode == "oasiskv" and args.sweep:
             batch, ctx = (int(x) for x in args.sweep_shape.split(","))

@@ -309,8 +309,8 @@ def bench_gather(res, quick):
         dk, dv, src, dst, heads = gather_plan(n, NBh, BS, Hkv, D, dt)
         moved = 2 * n * kib * 1024
         row = dict(copies=n, bytes=moved)
-        variants = [("triton", ug.GATHER_PROGRAMS, "triton"), ("cuda", 0, "cuda")]
-        variants += [("triton", p, f"triton_ctas{p}") for p in GATHER_GRIDS if p != ug.GATHER_PROGRAMS]
+        variants = [("triton", ug.GATHER_CTAS, "triton"), ("cuda", 0, "cuda")]
+        variants += [("triton", p, f"triton_ctas{p}") for p in GATHER_GRIDS if p != ug.GATHER_CTAS]
         for be, progs, key in variants:
             try:
                 dk.fill_(float("nan"))

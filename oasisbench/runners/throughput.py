@@ -220,8 +220,8 @@ class _EngineCache:
 
     def drop(self) -> None:
         """Release the engine before the next build (which sizes its KV to the memory left; after an OOM too).
-        An engine holds reference cycles (its runner and CUDA graphs, the backend's streams and events): only a
-        collection frees its GPU memory, and waiting for the automatic one made the next engine run out."""
+        Dropping the last reference frees it; the collection also frees anything of it left in a reference cycle
+        rather than waiting for the automatic one."""
         import gc
 
         self.llm, self.key = None, None

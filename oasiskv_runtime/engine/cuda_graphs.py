@@ -18,9 +18,8 @@ go replays a few graphs instead of capturing one per size. Padding rows compute 
 0 whose blocks no real request reads (``KVCacheManager.add_scratch_request``): everything they write lands there,
 and with no candidate blocks they predict, select and fetch nothing, so no counter moves. The block bucket
 rounds the longest context up to ``BLOCK_BUCKET`` blocks (scoring kernels mask columns past each request's own
-count). A key is captured the
-second time it runs (its first run is eager on the static buffers: the warm-up that compiles kernels); keys
-seen once are never captured. Everything the graph reads is a persistent buffer; nothing inside it talks to
+count). A key is captured the second time it runs (its first run is eager on the static buffers: the warm-up that
+compiles kernels); keys seen once are never captured. Everything the graph reads is a persistent buffer; nothing inside it talks to
 the host. A step that also prefills is split: its decode requests run here, its prefill chunks eagerly after
 (see ``DecodeGraphs.plan``).
 
@@ -313,7 +312,6 @@ class DecodeGraphs:
         meta = self._prepare([s.seq for s in decode], drafts, runner.step_index, key)
         self.num_padded_rows += key[0] - len(decode)
         be.begin_step(meta)
-        batch = meta.extra["static"]
         entry = self.graphs.get(key) if self.capture else None
         if entry is not None:
             self.graphs.move_to_end(key)

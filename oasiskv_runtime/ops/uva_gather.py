@@ -58,7 +58,6 @@ _KERNELS = None
 _CUDA_LIB = None
 _LOCK = threading.Lock()
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
-GATHER_PROGRAMS = GATHER_CTAS
 
 
 _next_pow2 = next_pow2
@@ -278,7 +277,7 @@ _PREFERRED = ("triton", "cuda")
 
 def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                dev_v: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
-               heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_PROGRAMS) -> str:
+               heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_CTAS) -> str:
     """Copy the listed (block, head) slices host -> device in one kernel launch.
 
     ``backend``: ``"auto"`` (Triton, else the CUDA C kernel; the reference when
