@@ -74,11 +74,13 @@ def test_gather_blocks_ref_matches_naive(num_tokens, out_rows):
 def test_summaries_grouped_equals_ref():
     for seed in range(6):
         gen = _gen(seed)
-        nb, bs, h, d = 7, 8, 3, 5
-        smin = torch.randn(nb, bs, h, d, generator=gen)
-        smax = smin + torch.rand(nb, bs, h, d, generator=gen)
-        rows, reset = _prefill_rows(gen, 61, nb * bs)
-        k = torch.randn(61, h, d, generator=gen)
+        nb, bs, h, d = (7, 8, 3, 5) if seed < 4 else (37, 16, 2, 7)   # the last: 1,500 tokens, rows wrap
+        T = 61 if seed < 4 else 1500
+        dtype = torch.float32 if seed % 2 else torch.bfloat16
+        smin = torch.randn(nb, bs, h, d, generator=gen).to(dtype)
+        smax = smin + torch.rand(nb, bs, h, d, generator=gen).to(dtype)
+        rows, reset = _prefill_rows(gen, T, nb * bs)
+        k = torch.randn(T, h, d, generator=gen).to(dtype)
         a, b = smin.clone(), smax.clone()
         su.update_summaries_ref(k, rows, reset, a, b)
         su.update_summaries_grouped(k, rows, reset, smin, smax)

@@ -98,33 +98,36 @@ def update_summaries_ref(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.T
     fmax.index_copy_(0, uniq, cur_max)
 
 
-#: Largest chunk :func:`update_summaries_grouped` takes: its [T, T] token comparison stays <= 64 MiB.
-GROUPED_MAX_TOKENS = 8192
-
-
 def update_summaries_grouped(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor,
                              sum_min: torch.Tensor, sum_max: torch.Tensor) -> None:
     """:func:`update_summaries_ref`'s result (bit for bit: min and max are exact) with no host sync, for a
     prefill chunk on the GPU: no ``torch.unique`` and no boolean indexing, whose output sizes depend on the
-    data. Tokens that share a row are grouped by a [T, T] comparison (a 2,048-token chunk: 4 MiB of bools);
-    each group reduces into its first token's slot, and every token then writes its group's value (duplicate
-    rows write identical values, so the write order does not matter)."""
+    data. Tokens are put in row order by a stable sort; a token whose row differs from its predecessor's
+    starts a group, and ``cummax`` over the group starts gives every token its group's first position
+    (O(T log T); the first version compared every pair of tokens, [T, T] masks of 64 MiB per layer at 8K
+    tokens). Each group reduces into its first position, and every token then writes its group's value
+    (tokens of one row write identical values, so the write order does not matter)."""
     T, Hkv, D = _check(k_new, rows, reset, sum_min, sum_max)
     if T == 0:
         return
     fmin, fmax, k, rows, reset = _flat(k_new, rows, reset, sum_min, sum_max)
     dev = fmin.device
-    same = rows[:, None] == rows[None, :]                                  # [T, T]
-    first = same.to(torch.uint8).argmax(dim=1)                             # first token of each token's row
-    fresh = (same & reset[None, :]).any(dim=1)                             # a resetting token hits the row
+    srows, order = torch.sort(rows, stable=True)
+    pos = torch.arange(T, device=dev)
+    starts = torch.ones(T, dtype=torch.bool, device=dev)
+    starts[1:] = srows[1:] != srows[:-1]
+    first = torch.cummax(torch.where(starts, pos, 0), dim=0).values          # group start, sorted order
+    fresh = torch.zeros(T, dtype=torch.uint8, device=dev).scatter_reduce_(
+        0, first, reset[order].to(torch.uint8), reduce="amax").index_select(0, first).bool()
     inf = torch.finfo(fmin.dtype).max
-    cur_min = torch.where(fresh[:, None, None], inf, fmin.index_select(0, rows))
-    cur_max = torch.where(fresh[:, None, None], -inf, fmax.index_select(0, rows))
+    cur_min = torch.where(fresh[:, None, None], inf, fmin.index_select(0, srows))
+    cur_max = torch.where(fresh[:, None, None], -inf, fmax.index_select(0, srows))
     idx = first.view(T, 1, 1).expand(T, Hkv, D)
-    cur_min.scatter_reduce_(0, idx, k, reduce="amin", include_self=True)
-    cur_max.scatter_reduce_(0, idx, k, reduce="amax", include_self=True)
-    fmin.index_copy_(0, rows, cur_min.index_select(0, first))
-    fmax.index_copy_(0, rows, cur_max.index_select(0, first))
+    ks = k.index_select(0, order)
+    cur_min.scatter_reduce_(0, idx, ks, reduce="amin", include_self=True)
+    cur_max.scatter_reduce_(0, idx, ks, reduce="amax", include_self=True)
+    fmin.index_copy_(0, srows, cur_min.index_select(0, first))
+    fmax.index_copy_(0, srows, cur_max.index_select(0, first))
 
 
 def _kernels():
@@ -191,7 +194,7 @@ def update_summaries(k_new: torch.Tensor, rows: torch.Tensor, reset: torch.Tenso
     """
     if backend not in ("auto", "triton", "ref"):
         raise ValueError(f"unknown backend {backend!r}")
-    if assume_distinct is False and backend == "auto" and sum_min.is_cuda and rows.shape[0] <= GROUPED_MAX_TOKENS:
+    if assume_distinct is False and backend == "auto" and sum_min.is_cuda:
         update_summaries_grouped(k_new, rows, reset, sum_min, sum_max)  # a prefill chunk: no host sync
         return
     use_triton = backend == "triton" or (
