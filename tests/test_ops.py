@@ -441,7 +441,8 @@ def test_summary_update_kernel_matches_ref(dtype, Hkv, D):
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("src_dev,dtype,BS,Hkv,D", [("pinned", torch.bfloat16, 16, 3, 128),
                                                     ("pinned", torch.float32, 8, 3, 48),
-                                                    ("cuda", torch.bfloat16, 16, 2, 64)])
+                                                    ("cuda", torch.bfloat16, 16, 2, 64),
+                                                    ("registered", torch.bfloat16, 16, 5, 64)])
 @pytest.mark.parametrize("programs", [0, 7, 32])
 def test_uva_gather_kernel_matches_ref(backend, src_dev, dtype, BS, Hkv, D, programs):
     """Also: entries with src = -1 (unused slots of a fixed-size plan) copy nothing; a grid of fewer CTAs
@@ -453,6 +454,12 @@ def test_uva_gather_kernel_matches_ref(backend, src_dev, dtype, BS, Hkv, D, prog
     src = torch.where(torch.rand(src.shape, generator=gen) < 0.2, torch.full_like(src, -1), src)
     if src_dev == "pinned":
         hk, hv = hk.pin_memory(), hv.pin_memory()
+    elif src_dev == "registered":  # the engine's host pool: one exact-size cudaHostRegister'd region
+        from oasiskv_runtime.transfer.host_memory import PinnedRegion
+
+        region = PinnedRegion(PinnedRegion.bytes_for(2, tuple(hk.shape), dtype))
+        hk, hv = region.take(tuple(hk.shape), dtype).copy_(hk), region.take(tuple(hv.shape), dtype).copy_(hv)
+        assert hk.is_pinned() and hv.is_pinned()
     else:
         hk, hv = hk.cuda(), hv.cuda()
     dk, dv = dk.cuda(), dv.cuda()

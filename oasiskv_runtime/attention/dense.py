@@ -18,17 +18,24 @@ class PagedKVCache:
                  zero: bool = True) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.k = [self._alloc(shape, dtype, device, pin_memory, zero) for _ in range(num_layers)]
-        self.v = [self._alloc(shape, dtype, device, pin_memory, zero) for _ in range(num_layers)]
+        self.region = None
+        if pin_memory:  # one exact-size page-locked region, not 2 x layers power-of-two-rounded pinned tensors
+            from oasiskv_runtime.transfer.host_memory import PinnedRegion
+
+            self.region = PinnedRegion(PinnedRegion.bytes_for(2 * num_layers, shape, dtype))
+            self.k = [self.region.take(shape, dtype) for _ in range(num_layers)]
+            self.v = [self.region.take(shape, dtype) for _ in range(num_layers)]
+            return
+        self.k = [self._alloc(shape, dtype, device, zero) for _ in range(num_layers)]
+        self.v = [self._alloc(shape, dtype, device, zero) for _ in range(num_layers)]
 
     @staticmethod
-    def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin: bool,
-               zero: bool) -> torch.Tensor:
+    def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, zero: bool) -> torch.Tensor:
         # Device caches start zeroed: masked-out slots are multiplied by zero probabilities, and stale NaN bit
         # patterns would poison that product. Host pools are only ever read at written blocks, so they skip
         # the memset (a 64 GiB pool would otherwise take seconds and touch every page).
         if not zero:
-            return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+            return torch.empty(shape, dtype=dtype, device=device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,92 @@
+"""The host KV pool's memory: one exact-size page-locked allocation, carved into per-layer tensors.
+
+``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds every request
+up to a power of two: a per-layer pool tensor of 1.4 GiB pins 2 GiB. On a 128 GiB host that capped the pool at
+72 GiB (72 tensors of exactly 1 GiB), the next size up does not fit. Here the pool is one pageable allocation
+of exactly the bytes asked for, its pages touched by a multi-threaded fill, then page-locked and mapped with
+``cudaHostRegister`` (so the GPU reads it zero-copy, like ``cudaHostAlloc`` memory). The registration is undone
+when the region is collected; the tensors carved from it keep the memory itself alive.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+__all__ = ["PinnedRegion", "available_host_bytes"]
+
+_ALIGN = 4096
+_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutdown: the process is going away anyway
+        pass
+
+
+class PinnedRegion:
+    """``nbytes`` of page-locked, GPU-mapped host memory; :meth:`take` carves tensors out of it in order."""
+
+    #: Host memory left to the process and the OS beyond the pool: a pool that leaves less is refused.
+    reserve_bytes = 4 << 30
+
+    def __init__(self, nbytes: int) -> None:
+        nbytes = int(nbytes)
+        avail = available_host_bytes()
+        if avail is not None and nbytes + self.reserve_bytes > avail:
+            raise MemoryError(
+                f"host KV pool of {nbytes / 2**30:.1f} GiB does not fit: {avail / 2**30:.1f} GiB of host memory is "
+                f"available and {self.reserve_bytes / 2**30:.0f} GiB is kept for the process; lower host_kv_gb "
+                f"(--host-kv-gb)")
+        self.nbytes = nbytes
+        self.base = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, min(16, os.cpu_count() or 1)))
+        try:
+            self.base.zero_()  # fault the pages in on every core: cudaHostRegister then only locks them
+        finally:
+            torch.set_num_threads(threads)
+        self._offset = 0
+        ptr = self.base.data_ptr()
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, self.base.numel(), _REGISTER_PORTABLE_MAPPED)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.1f} GiB host KV pool failed (cudaError "
+                               f"{int(rc)}): the host cannot lock that much memory (ulimit -l, RAM); lower "
+                               f"host_kv_gb")
+        weakref.finalize(self, _unregister, ptr)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next ``shape`` x ``dtype`` tensor of the region (aligned to 4 KiB)."""
+        n = 1
+        for s in shape:
+            n *= int(s)
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        start = -(-self._offset // _ALIGN) * _ALIGN
+        if start + nbytes > self.nbytes:
+            raise ValueError(f"pinned region of {self.nbytes} bytes has no room for {nbytes} more at {start}")
+        self._offset = start + nbytes
+        return self.base[start:start + nbytes].view(dtype).view(shape)
+
+    @staticmethod
+    def bytes_for(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Bytes a region needs for ``count`` tensors of ``shape`` x ``dtype`` carved by :meth:`take`."""
+        n = torch.empty((), dtype=dtype).element_size()
+        for s in shape:
+            n *= int(s)
+        return count * (-(-n // _ALIGN) * _ALIGN)
