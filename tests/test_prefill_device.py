@@ -245,3 +245,46 @@ def test_chunked_prefill_bf16_device_path_close_to_host_path(tiny64):
         outs[flag] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     first = [o[0] for o in outs[True]]
     assert first == [o[0] for o in outs[False]]
+
+
+class _NoSyncModel:
+    """Wraps the engine's model: while ``armed``, its forward runs under ``set_sync_debug_mode('error')``."""
+
+    def __init__(self, model):
+        self.inner, self.armed, self.calls = model, False, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kw):
+        if not self.armed:
+            return self.inner(*args, **kw)
+        self.calls += 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return self.inner(*args, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["proxy-prefetch", "oasiskv"])
+def test_prefill_steps_do_not_synchronize_inside_the_layers(tiny64, mode):
+    """Steps that only prefill, one of them completing a prompt (the first working-set fill and the prompt
+    tail's copy into the local slot run per layer): no host sync from the first layer to the last."""
+    llm = LLM(tiny64, mode=mode, device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=29,
+              host_kv_bytes=1 << 30)
+    eng = llm.engine
+    guard = eng.runner.model = _NoSyncModel(eng.runner.model)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for armed in (False, True):  # the first round compiles kernels and runs the one-off checks
+        for p in ([7, 8, 9] * 13, [21, 22] * 20):                     # 39 and 40 tokens: 29 + (10 + 19) + ...
+            eng.add_request(p, params)
+        for _ in range(2):       # step 1: 29 tokens of the first prompt; step 2: it completes, the second starts
+            guard.armed = armed
+            eng.step()
+            guard.armed = False
+        while eng.has_unfinished():
+            eng.step()
+    assert guard.calls == 2

@@ -678,8 +678,10 @@ class SparseAttention:
         fake = self._finished_prefill_batch(done)
         rows = fake.state_rows
         pred = self._predict(layer, q[fake.q_rows], fake, next_step=True)
-        self.slot_map[rows, layer] = -1
-        self.last_sel[rows, layer] = -1
+        # index_fill_, not `[rows, layer] = -1`: that assignment copies the -1 up as a pageable 0-dim tensor, a
+        # host sync in the middle of the layer loop (2 per layer of every step that completes a prefill).
+        self.slot_map[:, layer].index_fill_(0, rows, -1)
+        self.last_sel[:, layer].index_fill_(0, rows, -1)
         self._select_and_fetch(layer, fake, pred, self.k_slots, initial=True)
         # The active block's earlier tokens (the prompt's tail) go into the local slot.
         if self._use_device_prefill(q):

@@ -55,7 +55,9 @@ class PinnedRegion:
                 f"available and {self.reserve_bytes / 2**30:.0f} GiB is kept for the process; lower host_kv_gb "
                 f"(--host-kv-gb)")
         self.nbytes = nbytes
-        self.base = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        raw = torch.empty(max(nbytes, 1) + _ALIGN, dtype=torch.uint8)  # the CPU allocator aligns to 64 bytes
+        start = -raw.data_ptr() % _ALIGN
+        self.base = raw[start:start + max(nbytes, 1)]                    # page-aligned: so are the carved tensors
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, min(16, os.cpu_count() or 1)))
         try:
