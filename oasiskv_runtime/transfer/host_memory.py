@@ -55,18 +55,20 @@ class PinnedRegion:
                 f"available and {self.reserve_bytes / 2**30:.0f} GiB is kept for the process; lower host_kv_gb "
                 f"(--host-kv-gb)")
         self.nbytes = nbytes
-        raw = torch.empty(max(nbytes, 1) + _ALIGN, dtype=torch.uint8)  # the CPU allocator aligns to 64 bytes
-        start = -raw.data_ptr() % _ALIGN
-        self.base = raw[start:start + max(nbytes, 1)]                    # page-aligned: so are the carved tensors
+        # The CPU allocator aligns to 64 bytes: one page more, and the region starts at the first page boundary.
+        # The whole allocation is registered: torch's is_pinned() looks up the storage's start, not the view's.
+        self._raw = torch.empty(max(nbytes, 1) + _ALIGN, dtype=torch.uint8)
+        start = -self._raw.data_ptr() % _ALIGN
+        self.base = self._raw[start:start + max(nbytes, 1)]
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, min(16, os.cpu_count() or 1)))
         try:
-            self.base.zero_()  # fault the pages in on every core: cudaHostRegister then only locks them
+            self._raw.zero_()  # fault the pages in on every core: cudaHostRegister then only locks them
         finally:
             torch.set_num_threads(threads)
         self._offset = 0
-        ptr = self.base.data_ptr()
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, self.base.numel(), _REGISTER_PORTABLE_MAPPED)
+        ptr = self._raw.data_ptr()
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, self._raw.numel(), _REGISTER_PORTABLE_MAPPED)
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.1f} GiB host KV pool failed (cudaError "
                                f"{int(rc)}): the host cannot lock that much memory (ulimit -l, RAM); lower "
