@@ -87,6 +87,50 @@ def test_summaries_grouped_equals_ref():
         assert torch.equal(a, smin) and torch.equal(b, smax)
 
 
+def _chunk_rows(gen, nseq, nrows, bs):
+    """Rows / reset flags of a step's written tokens as the engine lays them out: per request a run of
+    consecutive positions (any start inside a block), each block a distinct row, decode-like singletons too."""
+    rows, reset = [], []
+    free = torch.randperm(nrows, generator=gen).tolist()
+    for _ in range(nseq):
+        start = int(torch.randint(0, 5 * bs, (1,), generator=gen))
+        n = int(torch.randint(1, 4 * bs, (1,), generator=gen))
+        block_row = {}
+        for p in range(start, start + n):
+            if p // bs not in block_row:
+                block_row[p // bs] = free.pop()
+            rows.append(block_row[p // bs])
+            reset.append(p % bs == 0)
+    return rows, reset
+
+
+def test_summaries_runs_equal_ref():
+    for seed in range(8):
+        gen = _gen(seed)
+        nb, bs, h, d = (13, 16, 3, 5) if seed % 2 else (29, 8, 2, 48)
+        dtype = torch.float32 if seed % 3 else torch.bfloat16
+        rows, reset = _chunk_rows(gen, 1 + seed % 4, nb * bs, bs)
+        smin = torch.randn(nb, bs, h, d, generator=gen).to(dtype)
+        smax = smin + torch.rand(nb, bs, h, d, generator=gen).to(dtype)
+        k = torch.randn(len(rows), h, d, generator=gen)          # float32 keys into a bf16 cache: the ref's cast
+        a, b = smin.clone(), smax.clone()
+        su.update_summaries_ref(k, torch.tensor(rows), torch.tensor(reset), a, b)
+        pad, run_rows, run_reset = su.token_runs(rows, reset, bs)
+        assert len(pad) == bs * len(run_rows) and len(set(run_rows)) == len(run_rows)
+        su.update_summaries_runs(k, torch.tensor(pad), torch.tensor(run_rows), torch.tensor(run_reset), smin, smax)
+        assert torch.equal(a, smin) and torch.equal(b, smax)
+
+
+def test_token_runs_rejects_layouts_it_cannot_reduce():
+    with pytest.raises(ValueError, match="not adjacent"):
+        su.token_runs([3, 4, 3], [False] * 3, 4)
+    with pytest.raises(ValueError, match="at most 2"):
+        su.token_runs([3, 3, 3], [False] * 3, 2)
+    with pytest.raises(ValueError, match="resets after"):
+        su.token_runs([3, 3], [False, True], 4)
+    assert su.token_runs([5, 5, 2], [True, False, False], 3) == ([0, 1, 0, 2, 2, 2], [5, 2], [True, False])
+
+
 def test_attend_prefill_cpu_is_the_masked_reference():
     gen = _gen(3)
     q, k, v = torch.randn(7, 6, 16, generator=gen), torch.randn(19, 2, 16, generator=gen), torch.randn(19, 2, 16, generator=gen)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata, written_rows
 from oasiskv_runtime.attention.ref import attend, attend_prefill, causal_allowed
 from oasiskv_runtime.ops.common import host_list_to
 
@@ -72,7 +72,7 @@ class DenseAttention:
         if static is not None:
             self._bind_static(meta, static)
             return
-        self._write_rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
+        self._write_rows = host_list_to(written_rows(meta.seqs), torch.long, meta.slot_mapping.device)
         self._paged = None
         if meta.input_ids.is_cuda:
             # On CUDA, decode rows of all requests go through one paged attention launch (the sparse kernel

@@ -30,6 +30,12 @@ class SeqSlice:
         return self.num_query == 1 and self.context_len > 1
 
 
+def written_rows(seqs: list[SeqSlice]) -> list[int]:
+    """Rows of the flattened batch whose KV is written (every computed row; draft rows are not), in order:
+    the rows where ``slot_mapping >= 0``, known on the host (a ``nonzero`` on the device would wait for it)."""
+    return [r for s in seqs for r in range(s.query_start, s.query_start + s.num_query)]
+
+
 @dataclass
 class StepMetadata:
     input_ids: torch.Tensor

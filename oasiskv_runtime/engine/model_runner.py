@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
 from oasiskv_runtime.engine.sampler import sample
@@ -76,11 +77,11 @@ class ModelRunner:
                 logits_rows.append(row0 + s.num_tokens - 1)
         dev = self.device
         return StepMetadata(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            input_ids=host_list_to(ids, torch.long, dev),
+            positions=host_list_to(pos, torch.long, dev),
+            slot_mapping=host_list_to(slots, torch.long, dev),
             seqs=seqs,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            logits_indices=host_list_to(logits_rows, torch.long, dev),
             step=self.step_index,
         )
 

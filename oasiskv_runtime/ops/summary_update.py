@@ -33,7 +33,8 @@ import torch
 
 from oasiskv_runtime.ops.common import loads, next_pow2
 
-__all__ = ["update_summaries", "update_summaries_ref", "update_summaries_grouped"]
+__all__ = ["update_summaries", "update_summaries_ref", "update_summaries_grouped", "update_summaries_runs",
+           "token_runs"]
 
 triton = None
 tl = None
@@ -128,6 +129,57 @@ def update_summaries_grouped(k_new: torch.Tensor, rows: torch.Tensor, reset: tor
     cur_max.scatter_reduce_(0, idx, ks, reduce="amax", include_self=True)
     fmin.index_copy_(0, srows, cur_min.index_select(0, first))
     fmax.index_copy_(0, srows, cur_max.index_select(0, first))
+
+
+def token_runs(rows: list[int], reset: list[bool], width: int) -> tuple[list[int], list[int], list[bool]]:
+    """The run layout :func:`update_summaries_runs` takes, from per-token ``rows`` / ``reset`` in which the tokens
+    of one row are adjacent (a prefill chunk: a request's positions are consecutive, and each logical block has
+    its own row) and at most ``width`` long, a resetting token first in its run.
+
+    Returns ``(pad_idx, run_rows, run_reset)``: ``pad_idx`` has ``width`` token indices per run, the run's
+    tokens then copies of its first (min and max are idempotent, so the copies change nothing)."""
+    pad_idx: list[int] = []
+    run_rows: list[int] = []
+    run_reset: list[bool] = []
+    i, n = 0, len(rows)
+    while i < n:
+        j = i + 1
+        while j < n and rows[j] == rows[i]:
+            j += 1
+        if j - i > width or any(reset[i + 1:j]):
+            raise ValueError(f"token_runs: run of row {rows[i]} at token {i} is {j - i} tokens long (at most "
+                             f"{width}) or resets after its first token")
+        pad_idx += list(range(i, j)) + [i] * (width - (j - i))
+        run_rows.append(rows[i])
+        run_reset.append(bool(reset[i]))
+        i = j
+    if len(set(run_rows)) != len(run_rows):
+        raise ValueError("token_runs: a row's tokens are not adjacent")
+    return pad_idx, run_rows, run_reset
+
+
+def update_summaries_runs(k_new: torch.Tensor, pad_idx: torch.Tensor, run_rows: torch.Tensor,
+                          run_reset: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor) -> None:
+    """:func:`update_summaries_ref`'s result (bit for bit) for tokens laid out in runs (:func:`token_runs`):
+    the runs' tokens are gathered into a padded ``[runs, width, Hkv, D]`` tensor, reduced by ``amin`` /
+    ``amax`` over the width, merged with the old rows unless the run resets, and written once per row. Dense
+    reductions only: no atomics, no sort and no host sync (the layout comes from the host, where the engine
+    builds the step)."""
+    if sum_min.shape != sum_max.shape or sum_min.dim() != 4:
+        raise ValueError("sum_min/sum_max must be equal-shaped [num_blocks, block_size, Hkv, D]")
+    R = run_rows.numel()
+    if R == 0:
+        return
+    hkv, d = sum_min.shape[2], sum_min.shape[3]
+    if k_new.dim() != 3 or k_new.shape[1:] != (hkv, d) or pad_idx.numel() % R:
+        raise ValueError(f"k_new must be [T, {hkv}, {d}] and pad_idx a whole number of runs")
+    fmin, fmax = sum_min.view(-1, hkv, d), sum_max.view(-1, hkv, d)
+    kp = k_new.index_select(0, pad_idx).to(fmin.dtype).view(R, -1, hkv, d)
+    fresh = run_reset.view(R, 1, 1)
+    cur = kp.amin(1)
+    fmin.index_copy_(0, run_rows, torch.where(fresh, cur, torch.minimum(fmin.index_select(0, run_rows), cur)))
+    cur = kp.amax(1)
+    fmax.index_copy_(0, run_rows, torch.where(fresh, cur, torch.maximum(fmax.index_select(0, run_rows), cur)))
 
 
 def _kernels():

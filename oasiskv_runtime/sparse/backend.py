@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv_runtime.attention.dense import PagedKVCache
-from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata, written_rows
 from oasiskv_runtime.attention.ref import attend, attend_prefill, causal_allowed
 from oasiskv_runtime.config import Mode, SparseConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
-from oasiskv_runtime.ops.summary_update import update_summaries
+from oasiskv_runtime.ops.summary_update import token_runs, update_summaries, update_summaries_runs
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.uva_gather import uva_gather, uva_gather_blocks, uva_scatter_rows
 from oasiskv_runtime.sparse.selector_torch import select_batched
@@ -225,10 +225,9 @@ class SparseAttention:
             self._bind_static(meta, static)
             return
         self._step_arg = meta.step
-        written = (meta.slot_mapping >= 0).nonzero().squeeze(1)
-        self._written = written
-        self._sum_rows, self._reset = self._summary_rows(meta, written)
+        self._written = host_list_to(written_rows(meta.seqs), torch.long, meta.slot_mapping.device)
         self._distinct_rows = all(s.num_query == 1 for s in meta.seqs)  # decode: one token per summary row
+        self._sum_rows, self._reset, self._runs = self._summary_rows(meta, not self._distinct_rows)
         decode = [s for s in meta.seqs if s.num_query == 1 and s.seq_id in self.ready]
         self._decode_ids = {s.seq_id for s in decode}
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
@@ -281,7 +280,7 @@ class SparseAttention:
         v, t = st.vec, st.tables
         self._step_arg = v["step"][0] if self.async_pipeline else meta.step
         self._written = st.q_rows
-        self._sum_rows, self._reset = v["sum_rows"], v["reset"]
+        self._sum_rows, self._reset, self._runs = v["sum_rows"], v["reset"], None
         self._distinct_rows = True
         self._decode_ids = {s.seq_id for s in meta.seqs}
         self._prefill = []
@@ -310,8 +309,9 @@ class SparseAttention:
 
     before_capture = graph_replayed
 
-    def _summary_rows(self, meta: StepMetadata, written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat summary row and reset flag of every written token (one row per logical block)."""
+    def _summary_rows(self, meta: StepMetadata, runs: bool):
+        """Flat summary row and reset flag of every written token (one row per logical block); with ``runs``
+        (a prefill chunk in the step) also the run layout of :func:`update_summaries_runs`, else None."""
         bs = self.bs
         rows, reset = [], []
         for s in meta.seqs:
@@ -319,8 +319,13 @@ class SparseAttention:
             for p in range(s.context_len - s.num_query, s.context_len):
                 rows.append(self._summary_row(table, p // bs))
                 reset.append(p % bs == 0)
-        return (torch.tensor(rows, dtype=torch.long, device=self.device),
-                torch.tensor(reset, dtype=torch.bool, device=self.device))
+        dev = self.device
+        layout = None
+        if runs:
+            pad_idx, run_rows, run_reset = token_runs(rows, reset, bs)
+            layout = (host_list_to(pad_idx, torch.long, dev), host_list_to(run_rows, torch.long, dev),
+                      host_list_to(run_reset, torch.bool, dev))
+        return host_list_to(rows, torch.long, dev), host_list_to(reset, torch.bool, dev), layout
 
     def _decode_vectors(self, seq_ids: list[int], ctxs: list[int]) -> dict[str, list[int]]:
         """Per-request decode-step values (eager batches and the static layout alike): state row, active block
@@ -379,7 +384,9 @@ class SparseAttention:
             torch.cuda.current_stream(self.device).wait_event(self.xfer_done[layer])  # layer-local sync
         if b is not None and b.local_rows is not None:
             self.dev_cache.write(layer, b.local_rows, k[b.q_rows], v[b.q_rows])
-        if self._sum_rows.numel():
+        if self._runs is not None:
+            update_summaries_runs(k[w], *self._runs, self.dev_cache.k[layer], self.dev_cache.v[layer])
+        elif self._sum_rows.numel():
             update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer],
                              assume_distinct=self._distinct_rows)
         out = torch.empty_like(q)
