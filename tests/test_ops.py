@@ -474,6 +474,32 @@ def test_uva_gather_kernel_matches_ref(backend, src_dev, dtype, BS, Hkv, D, prog
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype,Hkv,D", [(torch.bfloat16, 8, 128), (torch.float32, 3, 48)])
+@pytest.mark.parametrize("programs", [0, 7, 64])
+def test_uva_scatter_rows_kernel_matches_ref(dtype, Hkv, D, programs):
+    """Token rows into the pinned pool (the engine's exact-size registered region) at random distinct rows,
+    one CTA per row or a bounded grid looping over them."""
+    from oasiskv_runtime.transfer.host_memory import PinnedRegion
+
+    gen = _gen()
+    nb, bs, n = 41, 16, 517
+    shape = (nb, bs, Hkv, D)
+    region = PinnedRegion(PinnedRegion.bytes_for(2, shape, dtype))
+    hk, hv = region.take(shape, dtype), region.take(shape, dtype)
+    hk.copy_(torch.randn(shape, generator=gen).to(dtype))
+    hv.copy_(torch.randn(shape, generator=gen).to(dtype))
+    rk, rv = hk.clone(), hv.clone()
+    k = torch.randn(n, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(n, Hkv, D, generator=gen).to(dtype)
+    rows = torch.randperm(nb * bs, generator=gen)[:n]
+    ug.uva_scatter_rows_ref(k, v, rk, rv, rows)
+    ug.uva_scatter_rows(k.cuda(), v.cuda(), hk, hv, rows.cuda(), programs=programs)
+    torch.cuda.synchronize()
+    assert torch.equal(hk, rk) and torch.equal(hv, rv)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_uva_gather_rejects_pageable_host_memory():
     hk = torch.randn(4, 16, 2, 64)
     dk = torch.empty(4, 16, 2, 64, device="cuda")

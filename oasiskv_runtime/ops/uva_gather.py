@@ -157,15 +157,17 @@ def _kernels():
                 tl.store(DV + d_off, xv, mask=m)
 
     @triton.jit
-    def _uva_scatter_kernel(SRC_K, SRC_V, HK, HV, SRC_ROWS, DST_ROWS, W: tl.constexpr, W_PAD: tl.constexpr):
-        # One token row ([Hkv * D] contiguous) per program: device -> pinned host, written over UVA.
-        i = tl.program_id(0)
-        s = tl.load(SRC_ROWS + i).to(tl.int64)
-        d = tl.load(DST_ROWS + i).to(tl.int64)
+    def _uva_scatter_kernel(SRC_K, SRC_V, HK, HV, SRC_ROWS, DST_ROWS, n, programs, W: tl.constexpr,
+                            W_PAD: tl.constexpr):
+        # Token rows ([Hkv * D] contiguous), device -> pinned host, written over UVA; `programs` CTAs each loop
+        # over rows pid, pid + programs, ... (a bounded grid leaves the SMs to kernels running beside it).
         c = tl.arange(0, W_PAD)
         m = c < W
-        tl.store(HK + d * W + c, tl.load(SRC_K + s * W + c, mask=m), mask=m)
-        tl.store(HV + d * W + c, tl.load(SRC_V + s * W + c, mask=m), mask=m)
+        for i in range(tl.program_id(0), n, programs):
+            s = tl.load(SRC_ROWS + i).to(tl.int64)
+            d = tl.load(DST_ROWS + i).to(tl.int64)
+            tl.store(HK + d * W + c, tl.load(SRC_K + s * W + c, mask=m), mask=m)
+            tl.store(HV + d * W + c, tl.load(SRC_V + s * W + c, mask=m), mask=m)
 
     from types import SimpleNamespace
     _KERNELS = SimpleNamespace(gather=_uva_gather_kernel, scatter=_uva_scatter_kernel)
@@ -384,10 +386,10 @@ def uva_scatter_rows_ref(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor,
 
 
 def uva_scatter_rows(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                     dst_rows: torch.Tensor) -> None:
+                     dst_rows: torch.Tensor, programs: int = 0) -> None:
     """Write token rows ``k, v: [n, Hkv, D]`` (CUDA) into a pinned host pool viewed as ``[rows, Hkv, D]`` with
-    one kernel launch and no host synchronisation (the GPU writes over UVA). Falls back to the reference
-    for CPU tensors."""
+    one kernel launch and no host synchronisation (the GPU writes over UVA). ``programs``: CTAs in the grid,
+    each looping over its share of the rows (0: one per row). Falls back to the reference for CPU tensors."""
     n = k.shape[0]
     if n == 0:
         return
@@ -399,5 +401,6 @@ def uva_scatter_rows(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, hos
     src = torch.arange(n, device=k.device)
     K = _kernels()
     with torch.cuda.device(k.device):
-        K.scatter[(n,)](kk, vv, _MappedPtr(host_k), _MappedPtr(host_v), src, _index(dst_rows, k.device),
-                        W=w, W_PAD=_next_pow2(w), num_warps=4)
+        grid = min(n, programs) if programs > 0 else n
+        K.scatter[(grid,)](kk, vv, _MappedPtr(host_k), _MappedPtr(host_v), src, _index(dst_rows, k.device), n,
+                           grid, W=w, W_PAD=_next_pow2(w), num_warps=4)
