@@ -91,7 +91,7 @@ class SparseAttention:
         self.async_pipeline = bool(mode.uses_host_pool and self.use_kernels and device.type == "cuda")
         if self.async_pipeline:
             self.streams = [torch.cuda.Stream(device) for _ in range(3)]
-            self.write_stream = torch.cuda.Stream(device)
+            self.write_stream = torch.cuda.Stream(device, priority=-1)  # its CTAs go first as SMs free up
             """Prefill rows' writes into the pinned pool, beside the layer's attention (joined before the
             layer's prefetch and first working-set fill, the first readers of those rows)."""
             self.xfer_done: list[torch.cuda.Event | None] = [None] * num_layers
