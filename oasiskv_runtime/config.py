@@ -173,7 +173,8 @@ class CacheConfig:
     """Device bytes for KV blocks (and key summaries in sparse modes); the knob behind the HBM capacity wall.
     None: 2 GiB on CPU, 90% of free device memory after weights on CUDA."""
     host_kv_bytes: int | None = None
-    """Host bytes for the full-KV pool of host-pool modes. None: 8 GiB on CPU, 64 GiB with CUDA."""
+    """Host bytes for the full-KV pool of host-pool modes. None: 8 GiB on CPU; with CUDA 64 GiB, or half the
+    available RAM where that is less (pinned as one region of exactly this size)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -77,7 +77,7 @@ class LLMEngine:
         self.block_bytes = bs * mc.kv_bytes_per_token(elem)
         kv_bytes = config.cache.kv_cache_bytes or self._default_kv_bytes()
         num_device_blocks = kv_bytes // self.block_bytes
-        host_bytes = config.cache.host_kv_bytes or (64 * GiB if config.device.startswith("cuda") else 8 * GiB)
+        host_bytes = config.cache.host_kv_bytes or self._default_host_bytes()
         num_host_blocks = host_bytes // self.block_bytes if config.mode.uses_host_pool else 0
         self.max_model_len = mc.max_position_embeddings
         self.kv = KVCacheManager(config.mode, bs, num_device_blocks, num_host_blocks,
@@ -98,6 +98,16 @@ class LLMEngine:
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
+
+    def _default_host_bytes(self) -> int:
+        """The host pool when none is given: on CUDA 64 GiB, or half the available RAM where that is less (it
+        is pinned up front); on the CPU 8 GiB (pageable, touched only where written)."""
+        if not self.config.device.startswith("cuda"):
+            return 8 * GiB
+        from oasiskv_runtime.transfer.host_memory import available_host_bytes
+
+        avail = available_host_bytes()
+        return 64 * GiB if avail is None else min(64 * GiB, avail // 2)
 
     def _default_kv_bytes(self) -> int:
         if self.config.device.startswith("cuda"):

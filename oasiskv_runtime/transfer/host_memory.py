@@ -52,8 +52,8 @@ class PinnedRegion:
         if avail is not None and nbytes + self.reserve_bytes > avail:
             raise MemoryError(
                 f"host KV pool of {nbytes / 2**30:.1f} GiB does not fit: {avail / 2**30:.1f} GiB of host memory is "
-                f"available and {self.reserve_bytes / 2**30:.0f} GiB is kept for the process; lower host_kv_gb "
-                f"(--host-kv-gb)")
+                f"available and {self.reserve_bytes / 2**30:.0f} GiB is kept for the process; lower host_kv_bytes "
+                f"(a suite's host_kv_gb)")
         self.nbytes = nbytes
         # The CPU allocator aligns to 64 bytes: one page more, and the region starts at the first page boundary.
         # The whole allocation is registered: torch's is_pinned() looks up the storage's start, not the view's.
@@ -72,7 +72,7 @@ class PinnedRegion:
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.1f} GiB host KV pool failed (cudaError "
                                f"{int(rc)}): the host cannot lock that much memory (ulimit -l, RAM); lower "
-                               f"host_kv_gb")
+                               f"host_kv_bytes (a suite's host_kv_gb)")
         weakref.finalize(self, _unregister, ptr)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
