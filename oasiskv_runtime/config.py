@@ -209,9 +209,8 @@ class SparseConfig:
     kernels: str = "auto"
     """'auto' (GPU kernels on CUDA, references on CPU), 'ref' (plain PyTorch everywhere), 'gpu'."""
     gather_ctas: int = GATHER_CTAS
-    """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head), and of the
-    UVA scatter that writes a prefill chunk's rows into the pool beside the layer's attention. Few CTAs leave
-    the SMs to the step's own kernels while the copies stream over PCIe."""
+    """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
+    leave the SMs to the step's own kernels while the copies stream over PCIe."""
 
     def __post_init__(self) -> None:
         if self.top_k_blocks <= 0:

@@ -58,6 +58,7 @@ def test_static_layout_equals_eager_cpu(tiny, mode):
     if mode in ("fetch-on-demand", "proxy-prefetch", "oasiskv"):
         assert st_s["fetched_blocks_per_step"] == st_e["fetched_blocks_per_step"] > 0
         assert st_s["deferred_blocks_per_step"] == st_e["deferred_blocks_per_step"]
+        assert st_s["max_fetched_bytes_per_step"] == st_e["max_fetched_bytes_per_step"] >= st_e["fetched_bytes_per_step"]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -39,4 +39,6 @@ def test_async_pipeline_small_budget_bf16(tiny, mode):
     st = llm.engine.run_stats()
     assert all(len(o.token_ids) == 32 for o in outs)
     assert st["fetched_blocks_per_step"] > 0 and st["prediction_recall"] is not None
+    # The per-step maximum is counted on the device too (it read 0 on the async path before).
+    assert st["max_fetched_bytes_per_step"] >= st["fetched_bytes_per_step"] > 0
     assert sum(o.metrics["fetched_blocks"] for o in outs) > 0

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
-from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
 from oasiskv_runtime.engine.sampler import sample
 from oasiskv_runtime.engine.scheduler import SchedulerOutput
 from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.models.decoder import DecoderForCausalLM
+from oasiskv_runtime.ops.common import host_list_to
 
 
 class ModelRunner:

@@ -91,13 +91,13 @@ class SparseAttention:
         self.async_pipeline = bool(mode.uses_host_pool and self.use_kernels and device.type == "cuda")
         if self.async_pipeline:
             self.streams = [torch.cuda.Stream(device) for _ in range(3)]
-            self.write_stream = torch.cuda.Stream(device, priority=-1)  # its CTAs go first as SMs free up
-            """Prefill rows' writes into the pinned pool, beside the layer's attention (joined before the
-            layer's prefetch and first working-set fill, the first readers of those rows)."""
             self.xfer_done: list[torch.cuda.Event | None] = [None] * num_layers
             self.dev_fetched = torch.zeros(num_layers, dtype=torch.long, device=device)
             self.dev_deferred = torch.zeros(num_layers, dtype=torch.long, device=device)
             self.dev_initial = torch.zeros((), dtype=torch.long, device=device)
+            self.dev_step_max = torch.zeros((), dtype=torch.long, device=device)
+            """Most blocks fetched in one step (the host counter cannot see the device's per-step counts)."""
+            self.dev_total_before = torch.zeros((), dtype=torch.long, device=device)
             self.dev_req_fetched = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.remote = None
         """Prefill-decode, decode side: ``oasiskv_runtime.pd.remote.RemoteKV``; host blocks it marks absent
@@ -378,9 +378,8 @@ class SparseAttention:
     # ---- the layer --------------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, w = self.meta, self._written
-        written = None
         if self.mode.uses_host_pool and k.is_cuda:
-            written = self._write_pool(layer, k[w], v[w], meta.slot_mapping[w])
+            uva_scatter_rows(k[w], v[w], self.host_cache.k[layer], self.host_cache.v[layer], meta.slot_mapping[w])
         else:
             self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), k[w], v[w])
         b = self.batch
@@ -399,31 +398,11 @@ class SparseAttention:
             self._dense_seq(layer, s, q, k, v, out)
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
-        if written is not None:
-            torch.cuda.current_stream(self.device).wait_event(written)
         if b is not None and self.mode.prefetches:
             pred_q = torch.where(b.has_draft[:, None, None], q[b.draft_rows], q[b.q_rows])
             self._prefetch(layer, b, pred_q)
         self._init_finished_prefills(layer, q)
         return out
-
-    def _write_pool(self, layer: int, kw: torch.Tensor, vw: torch.Tensor, rows: torch.Tensor):
-        """This step's KV rows into the pinned pool over UVA. With a prefill chunk in the step (the async
-        pipeline), on ``write_stream`` with a bounded grid, overlapping the layer's attention, which reads the
-        chunk's rows from ``k``/``v`` and earlier chunks' from the pool (written in earlier steps); returns
-        the event the layer joins on before anything that may read these rows. Otherwise on this stream
-        (returns None)."""
-        hk, hv = self.host_cache.k[layer], self.host_cache.v[layer]
-        if not (self.async_pipeline and self._prefill):
-            uva_scatter_rows(kw, vw, hk, hv, rows)
-            return None
-        ws = self.write_stream
-        ws.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(ws):
-            uva_scatter_rows(kw, vw, hk, hv, rows, programs=self.cfg.gather_ctas)
-        for t in (kw, vw, rows):
-            t.record_stream(ws)
-        return ws.record_event()
 
     device_prefill: bool | None = None
     """Prefill (and dense-layer) attention reads the context with device ops only: the chunk's own rows from
@@ -735,6 +714,15 @@ class SparseAttention:
                     self._row(s.seq_id)
                     self.ready.add(s.seq_id)
         self.stats.end_step()
+        if self.async_pipeline:
+            # On the transfer stream, which counts the fetches eagerly, after the current stream too (a graph
+            # replay counts them there): ordered after this step's fetches, no host sync.
+            xs = self.streams[2]
+            xs.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(xs):
+                total = self.dev_fetched.sum()
+                torch.maximum(self.dev_step_max, total - self.dev_total_before, out=self.dev_step_max)
+                self.dev_total_before.copy_(total)
         self.meta = None
 
     # ---- reporting --------------------------------------------------------------------------------
@@ -743,7 +731,9 @@ class SparseAttention:
         self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
         self.pending_pred.clear()
         if self.async_pipeline:
-            for t in (self.dev_fetched, self.dev_deferred, self.dev_initial, self.dev_req_fetched):
+            torch.cuda.current_stream(self.device).wait_stream(self.streams[2])  # its counting is done
+            for t in (self.dev_fetched, self.dev_deferred, self.dev_initial, self.dev_req_fetched,
+                      self.dev_step_max, self.dev_total_before):
                 t.zero_()
 
     def run_stats(self) -> dict:
@@ -751,6 +741,7 @@ class SparseAttention:
             self.stats.fetched_by_layer = self.dev_fetched.tolist()
             self.stats.deferred_by_layer = self.dev_deferred.tolist()
             self.stats.initial_fill_blocks = int(self.dev_initial)
+            self.stats.max_step_fetched = int(self.dev_step_max)
         return self.stats.run_stats()
 
     def request_metrics(self, seq_id: int) -> dict:
