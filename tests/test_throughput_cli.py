@@ -99,6 +99,21 @@ def test_budget_too_small_is_a_recorded_failed_point(tiny, tmp_path):
     assert "too small for one request" in record["metrics"]["error"]
 
 
+def test_host_pool_is_oasiskvs_capacity_wall(tiny, tmp_path):
+    """--host-kv-gb sizes the offloading modes' host pool: 4 blocks (92,160 bytes each in this model) hold one
+    40-token request (3 blocks) but not two, so oasiskv runs them one at a time; 1 block holds none."""
+    block = 16 * 5 * 3 * 48 * 2 * 4
+    args = ["throughput", "--model", tiny, "--modes", "oasiskv", "--concurrency", "2", *SMALL]
+    r = runner.invoke(app, [*args, "--output-dir", str(tmp_path / "a"), "--host-kv-gb", str(4.5 * block / 2**30)])
+    assert r.exit_code == 0, r.output
+    (record,) = load_run(run_dir_of(r.output)).records
+    assert record["point"]["host_kv_gb"] == pytest.approx(4.5 * block / 2**30)
+    assert record["metrics"]["completed"] == 2 and record["metrics"]["max_admitted_batch"] == 1
+    r = runner.invoke(app, [*args, "--output-dir", str(tmp_path / "b"), "--host-kv-gb", str(1.5 * block / 2**30)])
+    assert r.exit_code == 1, r.output
+    assert "--host-kv-gb" in load_run(run_dir_of(r.output)).records[0]["metrics"]["error"]
+
+
 def test_a_crashing_point_does_not_stop_the_sweep(tiny, tmp_path, monkeypatch):
     real = tp._EngineCache.get
 

@@ -17,6 +17,9 @@ ModeOpt = Annotated[str, typer.Option("--mode", help="dense, sparse-resident, fe
                                       "oasiskv.")]
 KvGbOpt = Annotated[float | None, typer.Option("--kv-cache-gb", help="Device KV budget in GiB (the HBM "
                                                "capacity wall).")]
+HostGbOpt = Annotated[float | None, typer.Option(
+    "--host-kv-gb", min=0.0, help="Host KV pool of the offloading modes in GiB (pinned on CUDA, as one region "
+    "of exactly this size). Default: 64, or half the free RAM where that is less; 8 on CPU.", show_default=False)]
 TopKOpt = Annotated[int, typer.Option("--top-k-blocks", help="Working-set blocks per KV head (+1 local).")]
 FetchRatioOpt = Annotated[float, typer.Option("--fetch-ratio", help="Per-step admission cap as a fraction of "
                                               "top-k-blocks.")]

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
-                                    ModelOpt, SeedOpt, default_device)
+from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, HostGbOpt,
+                                    KvGbOpt, ModelOpt, SeedOpt, default_device)
 from oasisbench.cli.report import fail
 from oasisbench.results.plots import plots_available, write_plots
 from oasisbench.results.report import render_report
@@ -116,6 +116,7 @@ def throughput_cmd(
         "concurrency (one full batch), which keeps the default sweep to a few minutes on 2 CPU cores.",
         show_default=False)] = None,
     kv_cache_gb: KvGbOpt = None,
+    host_kv_gb: HostGbOpt = None,
     top_k_blocks: Annotated[int | None, typer.Option(
         "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: 128 on CUDA (the "
         "paper's); 16 on CPU, since the CPU default context of 1K tokens is only 64 blocks and 128 would make "
@@ -146,6 +147,8 @@ def throughput_cmd(
                   measure_recall=measure_recall)
     if num_requests is not None:
         common["num_requests"] = num_requests
+    if host_kv_gb is not None:
+        common["host_kv_gb"] = host_kv_gb
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
     points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
               for ctx in contexts for c in concurrencies for m in mode_list]

@@ -88,7 +88,7 @@ class KVCacheManager:
         if host > usable_host:
             raise ValueError(
                 f"host KV pool too small for one request: needs {host} host blocks, the pool holds "
-                f"{usable_host}; raise host_kv_bytes")
+                f"{usable_host}; raise host_kv_bytes (--host-kv-gb)")
 
     def add_scratch_request(self, seq: Sequence) -> bool:
         """Give ``seq`` (a one-token request that never runs) blocks of its own for good: the padding rows of a
