@@ -2,7 +2,8 @@
 # One short call on the lent H200: how much host memory the exact-size pinned pool can take and how long pinning
 # takes, the GPU tests of what changed, then the prefill profile (with --sync-sites: where steps wait for the GPU).
 #   run(command="bash bench/h200_check.sh", timeout_s=600)
-# PIN_GB: pool sizes to try (GiB); TESTS: pytest paths; PROFILE: 0 skips the profile; MODES: profile modes.
+# PIN_GB: pool sizes to try (GiB); TESTS: pytest paths; PROFILE: 0 skips the profile; MODES: profile modes;
+# PROFILE_ARGS: more profile_prefill.py options (e.g. "--decode-rows 40": mixed steps, as end to end).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -34,7 +35,7 @@ echo "pytest exit $?" >>"$OUT/gpu-tests.log"
 tail -3 "$OUT/gpu-tests.log"
 if [ "${PROFILE:-1}" != 0 ]; then
   timeout 200 python3 bench/profile_prefill.py --model qwen3-8b --context 16384 --chunk 8192 \
-    --modes ${MODES:-oasiskv,dense} --sync-sites --out "$OUT/prefill-profile.txt" >"$OUT/profile.log" 2>&1
+    --modes ${MODES:-oasiskv,dense} --sync-sites ${PROFILE_ARGS:-} --out "$OUT/prefill-profile.txt" >"$OUT/profile.log" 2>&1
   echo "profile exit $?" >>"$OUT/profile.log"
 fi
 cat "$OUT/pin.log"; grep -A30 "host synchronisations" "$OUT/prefill-profile.txt" | head -40

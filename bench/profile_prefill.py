@@ -6,6 +6,7 @@ process and prints, per mode: the wall time of every step (prefill or decode), t
 GPU time and by host time over the profiled steps.
 
     python bench/profile_prefill.py --model qwen3-8b --context 16384 --chunk 8192 --modes dense,oasiskv \
+        [--decode-rows 40 --decode-context 4096] [--sync-sites] \
         --out prefill-profile.txt
 """
 
@@ -30,13 +31,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def steps_of(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[str, float]]:
-    """Run ``prompts`` to completion one engine step at a time; (kind, ms) per step."""
+def steps_of(llm: LLM, prompts: list[list[int]], new_tokens: int, until=None) -> list[tuple[str, float]]:
+    """Run ``prompts`` to completion (or until ``until(seqs)``) one engine step at a time; (kind, ms) per
+    step, kind "prefill" while any of them is still prefilling."""
     eng = llm.engine
     seqs = [eng.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
             for p in prompts]
     out = []
-    while eng.has_unfinished():
+    while eng.has_unfinished() and not (until is not None and until(seqs)):
         kind = "prefill" if any(s.num_computed_tokens < len(s.prompt_token_ids) for s in seqs
                                 if not s.is_finished) else "decode"
         sync()
@@ -47,9 +49,29 @@ def steps_of(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[
     return out
 
 
-def sync_sites(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[int, str]]:
-    """Run ``prompts`` with torch's sync debug mode on: (count, where) of every host synchronisation, by the
-    innermost frames of this project that triggered it."""
+def mixed_steps(llm: LLM, decoders: list[list[int]], prompts: list[list[int]],
+                new_tokens: int) -> list[tuple[str, float]]:
+    """Like :func:`steps_of`, but the prompts arrive while ``decoders`` are decoding (the end-to-end runs'
+    prefill-carrying steps also carry up to a batch of decode rows): the decoders are prefilled first, not
+    timed, and aborted once the prompts have finished."""
+    eng = llm.engine
+    room = eng.max_model_len - max(len(d) for d in decoders)
+    longs = [eng.add_request(d, SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True))
+             for d in decoders]
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in longs):
+        eng.step()
+    out = steps_of(llm, prompts, new_tokens, until=lambda seqs: all(s.is_finished for s in seqs))
+    for s in longs:
+        if not s.is_finished:
+            eng.abort(s, "profile done")
+    while eng.has_unfinished():
+        eng.step()
+    return out
+
+
+def sync_sites(run) -> list[tuple[int, str]]:
+    """Call ``run()`` (one profiled workload) with torch's sync debug mode on: (count, where) of every host
+    synchronisation, by the innermost frames of this project that triggered it."""
     sites: collections.Counter = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -64,7 +86,7 @@ def sync_sites(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tupl
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
-            steps_of(llm, prompts, new_tokens)
+            run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = old
@@ -83,28 +105,39 @@ def main() -> None:
     ap.add_argument("--host-gb", type=float, default=8.0)
     ap.add_argument("--rows", type=int, default=22)
     ap.add_argument("--sync-sites", action="store_true", help="also list where the steps synchronise with the host")
+    ap.add_argument("--decode-rows", type=int, default=0,
+                    help="requests already decoding when the prompts arrive (mixed steps, as end to end)")
+    ap.add_argument("--decode-context", type=int, default=4096, help="prompt tokens of each decoding request")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (timings mean nothing)")
     ap.add_argument("--out", default="prefill-profile.txt")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     report = [f"model {args.model} (random weights), {args.requests} requests x {args.context} tokens, chunk "
-              f"{args.chunk}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"]
+              f"{args.chunk}, {args.decode_rows} requests of {args.decode_context} tokens decoding meanwhile, "
+              f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"]
     for mode in args.modes.split(","):
         llm = LLM(args.model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", mode=mode, kv_cache_gb=args.kv_gb,
                   host_kv_bytes=int(args.host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=128,
-                  fetch_ratio=0.05, max_num_seqs=max(8, args.requests))
+                  fetch_ratio=0.05, max_num_seqs=max(8, args.requests + args.decode_rows))
         vocab = llm.engine.model_config.vocab_size
 
         def prompts() -> list[list[int]]:
             return [torch.randint(10, vocab, (args.context - args.new_tokens,), generator=gen).tolist()
                     for _ in range(args.requests)]
 
-        warm = steps_of(llm, prompts(), args.new_tokens)  # Triton compilation, first captures
-        timed = steps_of(llm, prompts(), args.new_tokens)
+        def run() -> list[tuple[str, float]]:
+            if not args.decode_rows:
+                return steps_of(llm, prompts(), args.new_tokens)
+            decoders = [torch.randint(10, vocab, (args.decode_context,), generator=gen).tolist()
+                        for _ in range(args.decode_rows)]
+            return mixed_steps(llm, decoders, prompts(), args.new_tokens)
+
+        warm = run()  # Triton compilation, first captures
+        timed = run()
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                         if args.device == "cuda" else [])
         with torch.profiler.profile(activities=acts) as prof:
-            profiled = steps_of(llm, prompts(), args.new_tokens)
+            profiled = run()
         pre = [ms for k, ms in timed if k == "prefill"]
         dec = [ms for k, ms in timed if k == "decode"]
         report.append(f"\n==== {mode}: prefill steps {len(pre)} x {sum(pre) / max(1, len(pre)):.1f} ms "
@@ -117,7 +150,7 @@ def main() -> None:
         report.append(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
         if args.sync_sites and args.device == "cuda":
             report.append("host synchronisations (count, innermost project frames):")
-            report += [f"  {n:5d}  {w}" for n, w in sync_sites(llm, prompts(), args.new_tokens)]
+            report += [f"  {n:5d}  {w}" for n, w in sync_sites(run)]
         print("\n".join(report[-3:]), flush=True)  # header line + tables
         with open(args.out, "w") as f:
             f.write("\n".join(report) + "\n")
