@@ -173,3 +173,15 @@ def test_expand_is_full_cartesian_product(modes: list[str], contexts: list[int],
     assert {(p["mode"], p["context_len"], p["concurrency"]) for p in points} == {
         (m, c, n) for m in modes for c in contexts for n in concurrencies
     }
+
+
+SHIPPED = sorted(p for p in (Path(__file__).resolve().parent.parent / "suites" / "throughput").glob("*.yaml")
+                 if not p.name.endswith(".baseline.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_suites_load_and_expand(path):
+    suite = load_suite(path)
+    points = suite.expand()
+    assert suite.kind == "throughput" and suite.name == path.stem and points
+    assert all(p["mode"] in MODES and p["output_len"] < p["context_len"] for p in points)
