@@ -229,8 +229,8 @@ class SparseAttention:
             return
         self._step_arg = meta.step
         self._written = host_list_to(written_rows(meta.seqs), torch.long, meta.slot_mapping.device)
-        self._distinct_rows = all(s.num_query == 1 for s in meta.seqs)  # decode: one token per summary row
-        self._sum_rows, self._reset, self._runs = self._summary_rows(meta, not self._distinct_rows)
+        distinct = all(s.num_query == 1 for s in meta.seqs)  # decode: one token per summary row
+        self._sum_rows, self._reset, self._runs = self._summary_rows(meta, runs=not distinct)
         decode = [s for s in meta.seqs if s.num_query == 1 and s.seq_id in self.ready]
         self._decode_ids = {s.seq_id for s in decode}
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
@@ -284,7 +284,6 @@ class SparseAttention:
         self._step_arg = v["step"][0] if self.async_pipeline else meta.step
         self._written = st.q_rows
         self._sum_rows, self._reset, self._runs = v["sum_rows"], v["reset"], None
-        self._distinct_rows = True
         self._decode_ids = {s.seq_id for s in meta.seqs}
         self._prefill = []
         self.batch = DecodeBatch(
@@ -313,8 +312,9 @@ class SparseAttention:
     before_capture = graph_replayed
 
     def _summary_rows(self, meta: StepMetadata, runs: bool):
-        """Flat summary row and reset flag of every written token (one row per logical block); with ``runs``
-        (a prefill chunk in the step) also the run layout of :func:`update_summaries_runs`, else None."""
+        """``(rows, reset, None)``: the flat summary row and reset flag of every written token (one row per
+        logical block; each row at most once, decode); with ``runs`` (a prefill chunk in the step)
+        ``(None, None, layout)``: the run layout of :func:`update_summaries_runs` instead."""
         bs = self.bs
         rows, reset = [], []
         for s in meta.seqs:
@@ -323,12 +323,11 @@ class SparseAttention:
                 rows.append(self._summary_row(table, p // bs))
                 reset.append(p % bs == 0)
         dev = self.device
-        layout = None
         if runs:
             pad_idx, run_rows, run_reset = token_runs(rows, reset, bs)
-            layout = (host_list_to(pad_idx, torch.long, dev), host_list_to(run_rows, torch.long, dev),
-                      host_list_to(run_reset, torch.bool, dev))
-        return host_list_to(rows, torch.long, dev), host_list_to(reset, torch.bool, dev), layout
+            return None, None, (host_list_to(pad_idx, torch.long, dev), host_list_to(run_rows, torch.long, dev),
+                                host_list_to(run_reset, torch.bool, dev))
+        return host_list_to(rows, torch.long, dev), host_list_to(reset, torch.bool, dev), None
 
     def _decode_vectors(self, seq_ids: list[int], ctxs: list[int]) -> dict[str, list[int]]:
         """Per-request decode-step values (eager batches and the static layout alike): state row, active block
@@ -389,9 +388,9 @@ class SparseAttention:
             self.dev_cache.write(layer, b.local_rows, k[b.q_rows], v[b.q_rows])
         if self._runs is not None:
             update_summaries_runs(k[w], *self._runs, self.dev_cache.k[layer], self.dev_cache.v[layer])
-        elif self._sum_rows.numel():
+        elif self._sum_rows.numel():  # decode rows only: one token per summary row
             update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer],
-                             assume_distinct=self._distinct_rows)
+                             assume_distinct=True)
         out = torch.empty_like(q)
         dense_layer = layer in self.dense_layers
         for s in self._prefill + (b.slices if (b is not None and dense_layer) else []):

@@ -10,6 +10,7 @@ when the region is collected; the tensors carved from it keep the memory itself 
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 
@@ -19,6 +20,10 @@ __all__ = ["PinnedRegion", "available_host_bytes"]
 
 _ALIGN = 4096
 _REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def available_host_bytes() -> int | None:
@@ -77,11 +82,8 @@ class PinnedRegion:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next ``shape`` x ``dtype`` tensor of the region (aligned to 4 KiB)."""
-        n = 1
-        for s in shape:
-            n *= int(s)
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        start = -(-self._offset // _ALIGN) * _ALIGN
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = _aligned(self._offset)
         if start + nbytes > self.nbytes:
             raise ValueError(f"pinned region of {self.nbytes} bytes has no room for {nbytes} more at {start}")
         self._offset = start + nbytes
@@ -90,7 +92,4 @@ class PinnedRegion:
     @staticmethod
     def bytes_for(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Bytes a region needs for ``count`` tensors of ``shape`` x ``dtype`` carved by :meth:`take`."""
-        n = torch.empty((), dtype=dtype).element_size()
-        for s in shape:
-            n *= int(s)
-        return count * (-(-n // _ALIGN) * _ALIGN)
+        return count * _aligned(math.prod(shape) * dtype.itemsize)
