@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from oasiskv_runtime import LLM, SamplingParams
+from oasiskv_runtime.models.loader import model_config_for
 
 GiB = 1 << 30
 
@@ -38,7 +39,11 @@ def steps_of(llm: LLM, prompts: list[list[int]], new_tokens: int, until=None) ->
     seqs = [eng.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
             for p in prompts]
     out = []
+    limit = 4 * (sum(len(p) for p in prompts) // eng.config.scheduler.max_num_batched_tokens + len(prompts) + new_tokens) + 64
     while eng.has_unfinished() and not (until is not None and until(seqs)):
+        if len(out) >= limit:  # e.g. prompts never admitted beside the decoders: fail instead of decoding on
+            raise RuntimeError(f"{len(out)} steps and the prompts are not done: the KV budget or the host pool "
+                               "cannot hold them beside the decoding requests (--kv-gb / --host-gb)")
         kind = "prefill" if any(s.num_computed_tokens < len(s.prompt_token_ids) for s in seqs
                                 if not s.is_finished) else "decode"
         sync()
@@ -49,14 +54,14 @@ def steps_of(llm: LLM, prompts: list[list[int]], new_tokens: int, until=None) ->
     return out
 
 
-def mixed_steps(llm: LLM, decoders: list[list[int]], prompts: list[list[int]],
-                new_tokens: int) -> list[tuple[str, float]]:
+def mixed_steps(llm: LLM, decoders: list[list[int]], prompts: list[list[int]], new_tokens: int,
+                decode_steps: int) -> list[tuple[str, float]]:
     """Like :func:`steps_of`, but the prompts arrive while ``decoders`` are decoding (the end-to-end runs'
     prefill-carrying steps also carry up to a batch of decode rows): the decoders are prefilled first, not
-    timed, and aborted once the prompts have finished."""
+    timed, and aborted once the prompts have finished (``decode_steps`` bounds their outputs, so that the KV
+    budget can be sized for them)."""
     eng = llm.engine
-    room = eng.max_model_len - max(len(d) for d in decoders)
-    longs = [eng.add_request(d, SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True))
+    longs = [eng.add_request(d, SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True))
              for d in decoders]
     while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in longs):
         eng.step()
@@ -112,12 +117,24 @@ def main() -> None:
     ap.add_argument("--out", default="prefill-profile.txt")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    report = [f"model {args.model} (random weights), {args.requests} requests x {args.context} tokens, chunk "
+    mc, src, _ = model_config_for(args.model)
+    report = [f"model {args.model} ({'random weights' if src.kind == 'preset' else 'its weights'}), {args.requests} requests x {args.context} tokens, chunk "
               f"{args.chunk}, {args.decode_rows} requests of {args.decode_context} tokens decoding meanwhile, "
               f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"]
+    # Budgets that hold the whole workload: the decoders (with room for the steps they decode meanwhile) and the
+    # prompts, in dense's device KV and in oasiskv's host pool alike; --kv-gb / --host-gb only raise them. Too
+    # small a budget leaves the prompts waiting while the decoders decode on (the first mixed-step run on the
+    # H200 hung so: 40 x 4K decoders took the 24 GiB default).
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    steps = args.requests * (args.context // args.chunk + 1) + args.new_tokens + 64
+    tokens = args.decode_rows * (args.decode_context + steps) + args.requests * args.context
+    need_gb = 1.1 * tokens * mc.kv_bytes_per_token(torch.tensor([], dtype=getattr(torch, dtype)).element_size()) / GiB
+    working_sets_gb = need_gb / tokens * (args.decode_rows + args.requests) * (128 + 2) * 16  # oasiskv: K + 2 blocks
+    kv_gb, host_gb = max(args.kv_gb, need_gb, working_sets_gb), max(args.host_gb, need_gb)
+    report[0] += f"; device KV {kv_gb:.1f} GiB, host pool {host_gb:.1f} GiB"
     for mode in args.modes.split(","):
-        llm = LLM(args.model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", mode=mode, kv_cache_gb=args.kv_gb,
-                  host_kv_bytes=int(args.host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=128,
+        llm = LLM(args.model, device=args.device, dtype=dtype, mode=mode, kv_cache_gb=kv_gb,
+                  host_kv_bytes=int(host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=128,
                   fetch_ratio=0.05, max_num_seqs=max(8, args.requests + args.decode_rows))
         vocab = llm.engine.model_config.vocab_size
 
@@ -130,7 +147,7 @@ def main() -> None:
                 return steps_of(llm, prompts(), args.new_tokens)
             decoders = [torch.randint(10, vocab, (args.decode_context,), generator=gen).tolist()
                         for _ in range(args.decode_rows)]
-            return mixed_steps(llm, decoders, prompts(), args.new_tokens)
+            return mixed_steps(llm, decoders, prompts(), args.new_tokens, steps)
 
         warm = run()  # Triton compilation, first captures
         timed = run()
