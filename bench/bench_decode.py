@@ -112,6 +112,25 @@ def profile_steps(eng: LLMEngine, title: str, path: str, steps: int = 3) -> None
         f.write(f"==== {title}, {steps} steps\n{out.getvalue()}\n")
 
 
+def kernel_profile(eng: LLMEngine, title: str, path: str, steps: int = 3, rows: int = 25) -> None:
+    """Where a step's GPU time goes, by kernel: ``steps`` steps under torch.profiler with graphs off (a graph
+    replay hides its kernels from the profiler), the top ``rows`` ops by self CUDA time, appended to ``path``."""
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    try:
+        eng.step()  # an eager step first: a graphed point's eager path may be cold
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+    finally:
+        eng.runner.graphs = graphs
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+    with open(path, "a") as f:
+        f.write(f"==== {title}, {steps} eager steps\n{table}\n")
+
+
 def reset(eng: LLMEngine) -> None:
     for seq in list(eng.scheduler.running):
         if hasattr(eng.backend, "free_request"):
@@ -138,6 +157,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--profile", default="", help="write a cProfile summary of a few steps per point here")
+    ap.add_argument("--kernel-profile", default="",
+                    help="append a torch.profiler table (top ops by GPU time, eager steps) per point to this file")
     ap.add_argument("--gather-ctas", default="",
                     help="UVA gather grids to compare per point in oasiskv / fetch-on-demand (0: one CTA per copy); "
                          "default: the engine's")
@@ -180,7 +201,10 @@ def main() -> None:
                         if args.profile:
                             profile_steps(eng, f"{mode} B={batch} ctx={ctx} graphs={setting} ({ms:.1f} ms/step)",
                                           args.profile)
-                        st = eng.run_stats()
+                        st = eng.run_stats()  # before the profiled steps: the counters cover the timed ones
+                        if args.kernel_profile and setting == graph_settings[-1]:
+                            kernel_profile(eng, f"{mode} B={batch} ctx={ctx} ({ms:.1f} ms/step with graphs="
+                                           f"{setting})", args.kernel_profile)
                         steps = args.warmup + args.steps
                         point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
                                      fetched_bytes_per_step=st["fetched_bytes_per_step"],
