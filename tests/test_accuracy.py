@@ -214,5 +214,5 @@ def test_sink_blocks_sweep_runs_one_engine_per_value_and_bad_sinks_fail_first(ti
     for bad in (["--sink-blocks", "8"], ["--sweep", "sink_blocks=0,9"], ["--sink-blocks", "-1"]):
         r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--top-k-blocks", "8",
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
-        assert r.exit_code != 0 and "top-k-blocks" in r.output, (bad, r.output)
+        assert r.exit_code != 0 and "sink_blocks" in r.output and "top_k_blocks" in r.output, (bad, r.output)
         assert not (tmp_path / "bad").exists()  # refused before any engine ran

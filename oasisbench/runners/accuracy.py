@@ -88,12 +88,14 @@ class AccuracyConfig:
             raise ValueError(f"--context-len values must be >= 64 tokens, got {list(self.context_lens)}")
         if self.sweep is not None and (self.sweep[0] not in SWEEP_KEYS or not self.sweep[1]):
             raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
-        swept = dict([self.sweep]) if self.sweep is not None else {}
-        sinks = [int(v) for v in swept.get("sink_blocks", (self.sink_blocks,))]
-        budgets = [int(v) for v in swept.get("top_k_blocks", (self.top_k_blocks,))]
-        if any(s < 0 or s >= k for s in sinks for k in budgets):  # before any engine loads, not after dense ran
-            raise ValueError(f"sink blocks {sinks} must be >= 0 and below --top-k-blocks {budgets}: the sinks "
-                             "are part of the top-K budget")
+        from oasiskv_runtime.config import EngineConfig
+
+        for mode, setting in self.settings():  # the engine's own checks, before any engine loads (not after dense ran)
+            try:
+                EngineConfig.from_overrides(self.model, device=self.device, dtype=self.dtype, mode=mode,
+                                            seed=self.seed, **_engine_opts(self, setting))
+            except ValueError as e:
+                raise ValueError(f"{label(mode, setting)}: {e}") from None
 
     def settings(self) -> list[tuple[str, dict[str, Any]]]:
         """(mode, sweep override) pairs in run order: the dense anchor first."""
@@ -154,13 +156,16 @@ def _env(cfg: AccuracyConfig) -> dict[str, Any]:
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any]) -> dict[str, Any]:
+    """The engine options of one setting: the run's, then the sweep's override."""
+    return dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, sink_blocks=cfg.sink_blocks,
+                draft=cfg.draft, kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=cfg.max_num_seqs) | setting
+
+
 def _engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
     from oasiskv_runtime import LLM
 
-    opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, sink_blocks=cfg.sink_blocks,
-                draft=cfg.draft,
-                kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=cfg.max_num_seqs) | setting
-    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, mode=mode, seed=cfg.seed, **opts)
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, mode=mode, seed=cfg.seed, **_engine_opts(cfg, setting))
     if llm.tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer (a random-weight preset): accuracy tasks need "
                          "text; use a real model such as smollm2-135m or a checkpoint directory")
