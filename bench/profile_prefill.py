@@ -25,6 +25,7 @@ from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.models.loader import model_config_for
 
 GiB = 1 << 30
+TOP_K = 128  # blocks per KV head in the sparse modes
 
 
 def sync() -> None:
@@ -118,7 +119,8 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     mc, src, _ = model_config_for(args.model)
-    report = [f"model {args.model} ({'random weights' if src.kind == 'preset' else 'its weights'}), {args.requests} requests x {args.context} tokens, chunk "
+    weights = "random weights" if src.kind == "preset" else "its weights"
+    report = [f"model {args.model} ({weights}), {args.requests} requests x {args.context} tokens, chunk "
               f"{args.chunk}, {args.decode_rows} requests of {args.decode_context} tokens decoding meanwhile, "
               f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"]
     # Budgets that hold the whole workload: the decoders (with room for the steps they decode meanwhile) and the
@@ -126,15 +128,15 @@ def main() -> None:
     # small a budget leaves the prompts waiting while the decoders decode on (the first mixed-step run on the
     # H200 hung so: 40 x 4K decoders took the 24 GiB default).
     dtype = "bfloat16" if args.device == "cuda" else "float32"
+    gb_per_token = 1.1 * mc.kv_bytes_per_token(getattr(torch, dtype).itemsize) / GiB  # with a 10% margin
     steps = args.requests * (args.context // args.chunk + 1) + args.new_tokens + 64
-    tokens = args.decode_rows * (args.decode_context + steps) + args.requests * args.context
-    need_gb = 1.1 * tokens * mc.kv_bytes_per_token(torch.tensor([], dtype=getattr(torch, dtype)).element_size()) / GiB
-    working_sets_gb = need_gb / tokens * (args.decode_rows + args.requests) * (128 + 2) * 16  # oasiskv: K + 2 blocks
+    need_gb = gb_per_token * (args.decode_rows * (args.decode_context + steps) + args.requests * args.context)
+    working_sets_gb = gb_per_token * (args.decode_rows + args.requests) * (TOP_K + 2) * 16  # oasiskv: K + 2 blocks
     kv_gb, host_gb = max(args.kv_gb, need_gb, working_sets_gb), max(args.host_gb, need_gb)
     report[0] += f"; device KV {kv_gb:.1f} GiB, host pool {host_gb:.1f} GiB"
     for mode in args.modes.split(","):
         llm = LLM(args.model, device=args.device, dtype=dtype, mode=mode, kv_cache_gb=kv_gb,
-                  host_kv_bytes=int(host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=128,
+                  host_kv_bytes=int(host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=TOP_K,
                   fetch_ratio=0.05, max_num_seqs=max(8, args.requests + args.decode_rows))
         vocab = llm.engine.model_config.vocab_size
 
