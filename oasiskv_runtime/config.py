@@ -212,6 +212,10 @@ class SparseConfig:
     """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
     leave the SMs to the step's own kernels while the copies stream over PCIe."""
 
+    select_kernel: bool = True
+    """The prefetch pipeline's selection and transfer plan as one fused kernel per layer (GPU kernels only;
+    False: its plain-PyTorch composition, the reference, ~70 small kernels per layer; for A/B benchmarks)."""
+
     def __post_init__(self) -> None:
         if self.top_k_blocks <= 0:
             raise ValueError(f"top_k_blocks must be positive, got {self.top_k_blocks}")

@@ -18,6 +18,7 @@ token's (or the draft's) prediction without a cap.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from oasiskv_runtime.attention.ref import attend, attend_prefill, causal_allowed
 from oasiskv_runtime.config import Mode, SparseConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
+from oasiskv_runtime.ops.select_plan import select_plan
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.ops.summary_update import token_runs, update_summaries, update_summaries_runs
 from oasiskv_runtime.ops.common import host_list_to
@@ -256,7 +258,7 @@ class SparseAttention:
     def graph_key(self) -> tuple:
         """Python values a captured step bakes in besides the batch shape."""
         return (self.cfg.fetch_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks,
-                self.cfg.gather_ctas)
+                self.cfg.gather_ctas, self.cfg.select_kernel)
 
     def graph_fields(self, seqs, ctxs, tables, rows, has_draft, fields, static, max_blocks) -> dict:
         """Add this backend's per-request vectors to ``fields`` and update its per-request tables."""
@@ -538,40 +540,36 @@ class SparseAttention:
         self.last_sel[rows, layer] = plan.new_last_selected.view(n, self.hkv, kk)
         return plan
 
-    def _transfer_async(self, layer: int, b: DecodeBatch, plan, initial: bool, cap: int) -> None:
-        """One UVA gather for the layer from a fixed-size plan (at most ``cap`` copies per row), so no
-        host round trip is needed to compact the admitted slots."""
-        n, kk, h = b.state_rows.numel(), self.k_slots, self.hkv
-        admit = plan.admit_mask.view(n, h, kk)
-        c = max(1, min(kk, cap))
-        val, idx = torch.topk(admit.to(torch.int32), c, dim=-1)                   # [n, h, c]
-        valid = val > 0
-        logical = plan.new_slot_blocks.view(n, h, kk).gather(2, idx).clamp_min(0)
-        bidx = torch.arange(n, device=idx.device)[:, None, None].expand_as(idx)
-        hidx = torch.arange(h, device=idx.device)[None, :, None].expand_as(idx)
-        src = torch.where(valid, b.primary_table[bidx, logical], torch.full_like(logical, -1))
-        dst = b.slot_blocks[bidx, idx]
-        if self.remote is not None:
-            self.remote.ensure(layer, src[valid])  # a host round trip: prefill-decode cache misses only
-        if not self.cfg.disable_transfers:
-            uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
-                       self.dev_cache.v[layer], src.flatten(), dst.flatten(), hidx.flatten(),
-                       programs=self.cfg.gather_ctas)
-        count = valid.sum((1, 2))
-        if initial:
-            self.dev_initial += count.sum()
-        else:
-            self.dev_fetched[layer] += count.sum()
-            self.dev_deferred[layer] += plan.num_deferred.sum()
-            self.dev_req_fetched.index_add_(0, b.state_rows, count)
+    def _plan_and_fetch(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int, initial: bool,
+                        stream: torch.cuda.Stream | None = None) -> None:
+        """Algorithm 2 and a fixed-size transfer plan (at most ``cap`` copies per row) in one launch
+        (:func:`select_plan`), so no host round trip is needed to compact the admitted slots; then one UVA
+        gather for the layer, on ``stream`` when given (ordered after the plan)."""
+        counters = ((self.dev_initial,) if initial else
+                    (self.dev_fetched[layer], self.dev_deferred[layer], self.dev_req_fetched))
+        src, dst, head = select_plan(self.slot_map[:, layer], self.last_sel[:, layer], b.state_rows, pred, cap,
+                                     self._step_arg, b.primary_table, b.slot_blocks, *counters,
+                                     backend="auto" if self.use_kernels and self.cfg.select_kernel else "ref")
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in (src, dst, head):
+                t.record_stream(stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if self.remote is not None:
+                self.remote.ensure(layer, src[src >= 0])  # a host round trip: prefill-decode cache misses only
+            if not self.cfg.disable_transfers:
+                uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
+                           self.dev_cache.v[layer], src, dst, head, programs=self.cfg.gather_ctas)
+            if stream is not None:
+                self.xfer_done[layer] = stream.record_event()
 
     def _select_and_fetch(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int,
                           initial: bool = False) -> None:
         """Algorithm 2 on every (request, head) row of this layer, then one batched transfer."""
-        plan = self._select(layer, b, pred, cap)
         if self.async_pipeline:
-            self._transfer_async(layer, b, plan, initial, cap)
+            self._plan_and_fetch(layer, b, pred, cap, initial)
             return
+        plan = self._select(layer, b, pred, cap)
         rows, slot_blocks, primary = b.state_rows, b.slot_blocks, b.primary_table
         n, kk = rows.numel(), self.k_slots
         new_map = plan.new_slot_blocks.view(n, self.hkv, kk)
@@ -606,13 +604,7 @@ class SparseAttention:
         s_sel.wait_stream(s_pred)
         pred.record_stream(s_sel)
         with torch.cuda.stream(s_sel):
-            plan = self._select(layer, b, pred, self.cfg.fetch_cap)
-        s_xfer.wait_stream(s_sel)
-        for t in (plan.new_slot_blocks, plan.admit_mask, plan.num_deferred):
-            t.record_stream(s_xfer)
-        with torch.cuda.stream(s_xfer):
-            self._transfer_async(layer, b, plan, initial=False, cap=self.cfg.fetch_cap)
-            self.xfer_done[layer] = s_xfer.record_event()
+            self._plan_and_fetch(layer, b, pred, self.cfg.fetch_cap, initial=False, stream=s_xfer)
 
     def _remember_prediction(self, layer: int, b: DecodeBatch, pred: torch.Tensor) -> None:
         """Keep this step's prediction for the next step's recall (with the requests it was made for)."""
