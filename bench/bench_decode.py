@@ -131,6 +131,62 @@ def kernel_profile(eng: LLMEngine, title: str, path: str, steps: int = 3, rows: 
         f.write(f"==== {title}, {steps} eager steps\n{table}\n")
 
 
+def replay_trace(eng: LLMEngine, title: str, path: str, steps: int = 2, rows: int = 12) -> None:
+    """What the GPU does during ``steps`` steps as they run (graph replays included, unlike
+    :func:`kernel_profile`): kernels per stream from a torch.profiler trace, the union of their busy time
+    against the wall window (the rest: the GPU waits on launches, events or the host), and the top kernels
+    by total time. Appended to ``path`` as text; the raw trace of the first point goes beside it (.json.gz)."""
+    import gzip
+    import os
+    import tempfile
+
+    eng.step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw) as f:
+            trace = json.load(f)
+        gz = os.path.splitext(path)[0] + "-first.json.gz"
+        if not os.path.exists(gz):
+            with open(raw, "rb") as f, gzip.open(gz, "wb") as g:
+                g.write(f.read())
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    lines = [f"==== {title}: {steps} steps as they run, {len(kernels)} kernels"]
+    if kernels:
+        t0 = min(e["ts"] for e in kernels)
+        t1 = max(e["ts"] + e["dur"] for e in kernels)
+        busy, end = 0.0, t0
+        for e in sorted(kernels, key=lambda e: e["ts"]):  # union of the kernels' intervals
+            a, b = max(e["ts"], end), e["ts"] + e["dur"]
+            if b > a:
+                busy += b - a
+            end = max(end, b)
+        lines.append(f"window {(t1 - t0) / 1e3 / steps:.2f} ms/step, some kernel running {busy / 1e3 / steps:.2f} "
+                     f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {sum(e['dur'] for e in kernels) / 1e3 / steps:.2f} ms/step")
+        streams: dict = {}
+        for e in kernels:
+            st_ = streams.setdefault(e.get("args", {}).get("stream", "?"), [0, 0.0])
+            st_[0] += 1
+            st_[1] += e["dur"]
+        for sid, (n, d) in sorted(streams.items(), key=lambda x: -x[1][1]):
+            lines.append(f"  stream {sid}: {n / steps:.0f} kernels/step, {d / 1e3 / steps:.2f} ms/step")
+        names: dict = {}
+        for e in kernels:
+            nm = names.setdefault(e["name"][:70], [0, 0.0])
+            nm[0] += 1
+            nm[1] += e["dur"]
+        for name, (n, d) in sorted(names.items(), key=lambda x: -x[1][1])[:rows]:
+            lines.append(f"  {d / 1e3 / steps:7.2f} ms/step {n / steps:6.0f}/step  {name}")
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n\n")
+
+
 def reset(eng: LLMEngine) -> None:
     for seq in list(eng.scheduler.running):
         if hasattr(eng.backend, "free_request"):
@@ -162,11 +218,20 @@ def main() -> None:
     ap.add_argument("--gather-ctas", default="",
                     help="UVA gather grids to compare per point in oasiskv / fetch-on-demand (0: one CTA per copy); "
                          "default: the engine's")
+    ap.add_argument("--select-kernel", default="",
+                    help="compare the fused selection + plan kernel (1) with its PyTorch composition (0) per point "
+                         "in oasiskv / fetch-on-demand, e.g. 1,0; default: the engine's")
+    ap.add_argument("--trace", default="",
+                    help="append, per point run with graphs, a summary of a torch.profiler trace of steps as they "
+                         "run (graph replays included: busy vs idle GPU time, kernels per stream) to this file")
     ap.add_argument("--graphs", default="off,auto",
                     help="decode-step execution per point, side by side on one engine: off (eager), auto (CUDA graphs)")
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
     gather_list = [int(x) for x in args.gather_ctas.split(",")] if args.gather_ctas else [None]
+    select_list = [bool(int(x)) for x in args.select_kernel.split(",")] if args.select_kernel else [None]
+    variants = [{k: v for k, v in (("gather_ctas", g), ("select_kernel", sk)) if v is not None}
+                for g in gather_list for sk in select_list]
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
                "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "points": [], "sweep": []}
@@ -185,13 +250,11 @@ def main() -> None:
         gathering = mode in ("oasiskv", "fetch-on-demand")  # the modes whose steps run the UVA gather
         for ctx in [int(x) for x in args.context.split(",")]:
             for batch in args.batch_list:
-                gathers = gather_list if gathering else [None]
-                for setting, ctas in ((s_, g_) for s_ in graph_settings for g_ in gathers):
+                for setting, variant in ((s_, v_) for s_ in graph_settings for v_ in (variants if gathering else [{}])):
                     eng.runner.graphs = graphs if setting == "auto" else None
-                    point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting}
-                    if ctas is not None:
-                        eng.backend.cfg = replace(eng.backend.cfg, gather_ctas=ctas)
-                        point["gather_ctas"] = ctas
+                    point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting, **variant}
+                    if variant:
+                        eng.backend.cfg = replace(eng.backend.cfg, **variant)
                     try:
                         place_requests(eng, batch, ctx, gen)
                         if hasattr(eng.backend, "reset_counters"):
@@ -205,6 +268,8 @@ def main() -> None:
                         if args.kernel_profile and setting == graph_settings[-1]:
                             kernel_profile(eng, f"{mode} B={batch} ctx={ctx} ({ms:.1f} ms/step with graphs="
                                            f"{setting})", args.kernel_profile)
+                        if args.trace and setting == "auto":
+                            replay_trace(eng, f"{mode} B={batch} ctx={ctx} {variant} ({ms:.1f} ms/step)", args.trace)
                         steps = args.warmup + args.steps
                         point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
                                      fetched_bytes_per_step=st["fetched_bytes_per_step"],
@@ -222,8 +287,8 @@ def main() -> None:
                     print(json.dumps(point), flush=True)
                     save()
         eng.runner.graphs = graphs
-        if gathering and gather_list != [None]:
-            eng.backend.cfg = replace(eng.backend.cfg, gather_ctas=gather_list[0])  # the fetch-ratio sweep's grid
+        if gathering and variants[0]:
+            eng.backend.cfg = replace(eng.backend.cfg, **variants[0])  # the fetch-ratio sweep's settings
         if mode == "oasiskv" and args.sweep:
             batch, ctx = (int(x) for x in args.sweep_shape.split(","))
             for ratio in [float(x) for x in args.sweep.split(",")]:

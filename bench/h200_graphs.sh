@@ -7,7 +7,8 @@
 #
 # BUDGET_S: seconds in all (default 570); BENCH_ARGS: extra bench_decode.py arguments; TESTS: pytest paths
 # (default: the graph and engine tests); KERNELS: bench_kernels.py parts to run first (e.g. gather,overlap;
-# default none); GRAPHS: graph settings per point (default off,auto); GATHER: UVA gather grids to compare.
+# default none); GRAPHS: graph settings per point (default off,auto); GATHER: UVA gather grids to compare
+# (the summary's grid/sel column: gather grid / fused selection kernel 1 or 0, from --select-kernel in BENCH_ARGS).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -46,8 +47,9 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 rows = {}
 for p in r["points"]:
-    rows.setdefault((p["mode"], p.get("gather_ctas", "-"), p["context"], p["batch"]), {})[p["cuda_graphs"]] = p
-print(f"{'mode':20} {'grid':>4} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replays':>7}"
+    variant = f"{p.get('gather_ctas', '-')}/{int(p['select_kernel']) if 'select_kernel' in p else '-'}"
+    rows.setdefault((p["mode"], variant, p["context"], p["batch"]), {})[p["cuda_graphs"]] = p
+print(f"{'mode':20} {'grid/sel':>8} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replays':>7}"
       f" {'MB/step':>8}  note")
 for (mode, grid, ctx, b), d in rows.items():
     e, g = d.get("off", {}), d.get("auto", {})
@@ -55,6 +57,6 @@ for (mode, grid, ctx, b), d in rows.items():
     sp = f"{es / gs:.2f}x" if es and gs else "-"
     mb = (g or e).get("fetched_bytes_per_step", 0) / 1e6
     note = e.get("error") or g.get("error") or g.get("graphs_disabled") or ""
-    print(f"{mode:20} {grid:>4} {ctx:6} {b:4} {es or 0:9.1f} {gs or 0:9.1f} {sp:>8} {g.get('graph_replays', '-'):>7}"
+    print(f"{mode:20} {grid:>8} {ctx:6} {b:4} {es or 0:9.1f} {gs or 0:9.1f} {sp:>8} {g.get('graph_replays', '-'):>7}"
           f" {mb:8.0f}  {note}")
 EOF
