@@ -332,3 +332,33 @@ def test_prefill_steps_do_not_synchronize_inside_the_layers(tiny64, mode):
         while eng.has_unfinished():
             eng.step()
     assert guard.calls == 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_dense_mixed_step_setup_does_not_synchronize(tiny64):
+    """Dense steps that prefill one request while others decode (eager, not graphed: dense does not split them)
+    build their paged decode batch without a host sync (it made four blocking uploads per step)."""
+    llm = LLM(tiny64, device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=29)
+    eng, backend = llm.engine, llm.engine.runner.backend
+    begin, armed, calls = backend.begin_step, [False], []
+
+    def guarded(meta):
+        if not armed[0] or not any(s.num_query == 1 for s in meta.seqs) or all(s.num_query == 1 for s in meta.seqs):
+            return begin(meta)
+        calls.append(1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return begin(meta)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    backend.begin_step = guarded
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for armed[0] in (False, True):
+        eng.add_request([7, 8, 9] * 5, params)
+        eng.step()                                    # 15 tokens: prefill alone
+        eng.add_request([21, 22] * 20, params)        # then 40 tokens in chunks beside the first one's decode
+        while eng.has_unfinished():
+            eng.step()
+    assert calls

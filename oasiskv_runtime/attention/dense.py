@@ -126,13 +126,13 @@ class DenseAttention:
         bs = self.cache.block_size
         n = max((s.context_len - 1) // bs for s in decode)
         full = [s.block_table[: (s.context_len - 1) // bs] for s in decode]
-        ids = torch.tensor([f + [-1] * (n - len(f)) for f in full] if n else [[-1] for _ in decode],
-                           dtype=torch.int32, device=device)
+        # host_list_to, not torch.tensor(..., device=): each of those is a pageable copy and a stream sync.
+        ids = host_list_to([f + [-1] * (n - len(f)) for f in full] if n else [[-1] for _ in decode], torch.int32,
+                           device)
         hkv = self.cache.k[0].shape[2]
-        local = torch.tensor([s.block_table[(s.context_len - 1) // bs] for s in decode], dtype=torch.int32,
-                             device=device)
-        local_len = torch.tensor([(s.context_len - 1) % bs + 1 for s in decode], dtype=torch.int32, device=device)
-        rows = torch.tensor([s.query_start for s in decode], device=device)
+        local = host_list_to([s.block_table[(s.context_len - 1) // bs] for s in decode], torch.int32, device)
+        local_len = host_list_to([(s.context_len - 1) % bs + 1 for s in decode], torch.int32, device)
+        rows = host_list_to([s.query_start for s in decode], torch.long, device)
         return rows, ids[:, None, :].expand(-1, hkv, -1).contiguous(), local, local_len
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
