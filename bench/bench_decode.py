@@ -112,18 +112,24 @@ def profile_steps(eng: LLMEngine, title: str, path: str, steps: int = 3) -> None
         f.write(f"==== {title}, {steps} steps\n{out.getvalue()}\n")
 
 
+def _torch_profile(eng: LLMEngine, steps: int):
+    """torch.profiler (CPU and CUDA) over ``steps`` steps, after one step outside it (a path may be cold)."""
+    eng.step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    return prof
+
+
 def kernel_profile(eng: LLMEngine, title: str, path: str, steps: int = 3, rows: int = 25) -> None:
-    """Where a step's GPU time goes, by kernel: ``steps`` steps under torch.profiler with graphs off (a graph
-    replay hides its kernels from the profiler), the top ``rows`` ops by self CUDA time, appended to ``path``."""
+    """Where a step's GPU time goes, by op: ``steps`` steps under torch.profiler with graphs off (a replay's
+    kernels carry no op to attribute them to), the top ``rows`` ops by self CUDA time, appended to ``path``."""
     graphs, eng.runner.graphs = eng.runner.graphs, None
     try:
-        eng.step()  # an eager step first: a graphed point's eager path may be cold
-        torch.cuda.synchronize()
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(steps):
-                eng.step()
-            torch.cuda.synchronize()
+        prof = _torch_profile(eng, steps)
     finally:
         eng.runner.graphs = graphs
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
@@ -140,13 +146,7 @@ def replay_trace(eng: LLMEngine, title: str, path: str, steps: int = 2, rows: in
     import os
     import tempfile
 
-    eng.step()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
+    prof = _torch_profile(eng, steps)
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(raw)
