@@ -3,7 +3,7 @@
 CPU: the reference against Algorithm 2 run row by row (``select_head``) and the plan's meaning (every admitted
 slot's copy listed once, nothing else). GPU (``-m gpu``): the Triton kernel against the reference on fresh random
 inputs with odd sizes. The kernel test also runs on the CPU under Triton's interpreter when
-``TRITON_INTERPRET=1`` and Triton is importable (how it was written without a GPU at hand).
+``TRITON_INTERPRET=1`` and Triton is importable (how it was written without a GPU at hand; ``.ci/run`` runs it so).
 """
 from __future__ import annotations
 
