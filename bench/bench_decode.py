@@ -167,8 +167,9 @@ def replay_trace(eng: LLMEngine, title: str, path: str, steps: int = 2, rows: in
             if b > a:
                 busy += b - a
             end = max(end, b)
+        summed = sum(e["dur"] for e in kernels)
         lines.append(f"window {(t1 - t0) / 1e3 / steps:.2f} ms/step, some kernel running {busy / 1e3 / steps:.2f} "
-                     f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {sum(e['dur'] for e in kernels) / 1e3 / steps:.2f} ms/step")
+                     f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {summed / 1e3 / steps:.2f} ms/step")
         streams: dict = {}
         for e in kernels:
             st_ = streams.setdefault(e.get("args", {}).get("stream", "?"), [0, 0.0])
