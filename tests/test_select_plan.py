@@ -1,31 +1,18 @@
 """The fused selection + transfer plan of one layer (``oasiskv_runtime/ops/select_plan.py``).
 
 CPU: the reference against Algorithm 2 run row by row (``select_head``) and the plan's meaning (every admitted
-slot's copy listed once, nothing else). GPU (``-m gpu``): the Triton kernel against the reference on fresh random
-inputs with odd sizes. The kernel test also runs on the CPU under Triton's interpreter when
-``TRITON_INTERPRET=1`` and Triton is importable (how it was written without a GPU at hand; ``.ci/run`` runs it so).
+slot's copy listed once, nothing else). The Triton kernel against the reference on fresh random inputs with odd
+sizes: on CUDA (``-m gpu``) and in Triton's interpreter (``tests/kernel_devices.py``; how it was written without a
+GPU at hand).
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 from oasiskv_runtime.ops.select_plan import select_plan, select_plan_ref
 from oasiskv_runtime.sparse.selector import select_head
-
-HAS_CUDA = torch.cuda.is_available()
-
-
-def _interpreter() -> bool:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from tests.kernel_devices import KERNEL_DEVICES
 
 
 def _inputs(gen, R, H, K, P, n, nlog, device="cpu"):
@@ -154,14 +141,8 @@ def _kernel_vs_ref(device, R, H, K, P, n, nlog, cap, fill, strided):
 KERNEL_CASES = CASES + [(70, 8, 128, 128, 64, 1100, 7)]
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("R,H,K,P,n,nlog,cap", KERNEL_CASES)
 @pytest.mark.parametrize("fill,strided", [(False, True), (True, False), (False, False)])
-def test_kernel_matches_reference(R, H, K, P, n, nlog, cap, fill, strided):
-    _kernel_vs_ref("cuda", R, H, K, P, n, nlog, cap, fill, strided)
-
-
-@pytest.mark.skipif(not _interpreter(), reason="set TRITON_INTERPRET=1 with Triton installed")
-@pytest.mark.parametrize("R,H,K,P,n,nlog,cap", CASES[:3])
-def test_kernel_matches_reference_interpreted(R, H, K, P, n, nlog, cap):
-    _kernel_vs_ref("cpu", R, H, K, P, n, nlog, cap, False, True)
+def test_kernel_matches_reference(R, H, K, P, n, nlog, cap, fill, strided, device):
+    _kernel_vs_ref(device, R, H, K, P, n, nlog, cap, fill, strided)
