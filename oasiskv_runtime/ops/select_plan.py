@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 
 from oasiskv_runtime.ops.common import loads, next_pow2
-from oasiskv_runtime.sparse.selector_torch import select_batched
+from oasiskv_runtime.sparse.selector_torch import select_rows
 
 __all__ = ["select_plan", "select_plan_ref"]
 
@@ -60,11 +60,8 @@ def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.
                     req_fetched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-PyTorch reference of :func:`select_plan` (same arguments and results)."""
     n, h, k = _check(slot_map, last_sel, rows, pred, cap)
-    plan = select_batched(slot_map[rows].reshape(-1, k), last_sel[rows].reshape(-1, k), pred.reshape(-1, pred.shape[2]),
-                          cap, step)
+    plan = select_rows(slot_map, last_sel, rows, pred, cap, step)
     new_map = plan.new_slot_blocks.view(n, h, k)
-    slot_map[rows] = new_map
-    last_sel[rows] = plan.new_last_selected.view(n, h, k)
     c = max(1, min(k, cap))
     val, idx = torch.topk(plan.admit_mask.view(n, h, k).to(torch.int32), c, dim=-1)  # [n, h, c]
     valid = val > 0

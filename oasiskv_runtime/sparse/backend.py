@@ -34,7 +34,7 @@ from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.ops.summary_update import token_runs, update_summaries, update_summaries_runs
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.uva_gather import uva_gather, uva_gather_blocks, uva_scatter_rows
-from oasiskv_runtime.sparse.selector_torch import select_batched
+from oasiskv_runtime.sparse.selector_torch import select_rows
 from oasiskv_runtime.sparse.stats import SparseStats
 from oasiskv_runtime.transfer.engine import SyncTransferEngine, TransferPlan
 
@@ -530,16 +530,6 @@ class SparseAttention:
         rows = torch.where(b.has_draft, b.draft_rows, b.q_rows)
         out[rows] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0])
 
-    def _select(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int):
-        """Algorithm 2 on every (request, head) row of this layer; rewrites the per-head map."""
-        rows, n, kk = b.state_rows, b.state_rows.numel(), self.k_slots
-        smap, lsel = self.slot_map[rows, layer], self.last_sel[rows, layer]
-        plan = select_batched(smap.reshape(-1, kk), lsel.reshape(-1, kk), pred.reshape(-1, kk), cap,
-                              self._step_arg)
-        self.slot_map[rows, layer] = plan.new_slot_blocks.view(n, self.hkv, kk)
-        self.last_sel[rows, layer] = plan.new_last_selected.view(n, self.hkv, kk)
-        return plan
-
     def _plan_and_fetch(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int, initial: bool,
                         stream: torch.cuda.Stream | None = None) -> None:
         """Algorithm 2 and a fixed-size transfer plan (at most ``cap`` copies per row) in one launch
@@ -569,7 +559,8 @@ class SparseAttention:
         if self.async_pipeline:
             self._plan_and_fetch(layer, b, pred, cap, initial)
             return
-        plan = self._select(layer, b, pred, cap)
+        # Algorithm 2 on every (request, head) row of this layer; rewrites the per-head map.
+        plan = select_rows(self.slot_map[:, layer], self.last_sel[:, layer], b.state_rows, pred, cap, self._step_arg)
         rows, slot_blocks, primary = b.state_rows, b.slot_blocks, b.primary_table
         n, kk = rows.numel(), self.k_slots
         new_map = plan.new_slot_blocks.view(n, self.hkv, kk)

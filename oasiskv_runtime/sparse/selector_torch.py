@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["SelectionPlan", "select_batched"]
+__all__ = ["SelectionPlan", "select_batched", "select_rows"]
 
 
 class SelectionPlan(NamedTuple):
@@ -158,3 +158,16 @@ def select_batched(
         num_hits=num_hits,
         evicted_blocks=evicted.to(slot_blocks.dtype),
     )
+
+
+def select_rows(slot_map: Tensor, last_sel: Tensor, rows: Tensor, predicted: Tensor, cap: int | Tensor,
+                step: int | Tensor) -> SelectionPlan:
+    """:func:`select_batched` on rows ``rows`` of one layer's per-head tables (``slot_map`` / ``last_sel``:
+    ``[R, Hkv, K]``, strided views fine; ``predicted``: ``[n, Hkv, P]``), written back in place. The plan's
+    tensors are flat: ``[n * Hkv, K]``."""
+    k = slot_map.shape[-1]
+    plan = select_batched(slot_map[rows].reshape(-1, k), last_sel[rows].reshape(-1, k),
+                          predicted.reshape(-1, predicted.shape[-1]), cap, step)
+    slot_map[rows] = plan.new_slot_blocks.view(-1, *slot_map.shape[1:])
+    last_sel[rows] = plan.new_last_selected.view(-1, *slot_map.shape[1:])
+    return plan
