@@ -170,19 +170,18 @@ def replay_trace(eng: LLMEngine, title: str, path: str, steps: int = 2, rows: in
         summed = sum(e["dur"] for e in kernels)
         lines.append(f"window {(t1 - t0) / 1e3 / steps:.2f} ms/step, some kernel running {busy / 1e3 / steps:.2f} "
                      f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {summed / 1e3 / steps:.2f} ms/step")
-        streams: dict = {}
-        for e in kernels:
-            st_ = streams.setdefault(e.get("args", {}).get("stream", "?"), [0, 0.0])
-            st_[0] += 1
-            st_[1] += e["dur"]
-        for sid, (n, d) in sorted(streams.items(), key=lambda x: -x[1][1]):
+        def tally(key) -> list:
+            """(key, kernel count, summed duration) per value of ``key``, longest first."""
+            out: dict = {}
+            for e in kernels:
+                c = out.setdefault(key(e), [0, 0.0])
+                c[0] += 1
+                c[1] += e["dur"]
+            return sorted(((k, n, d) for k, (n, d) in out.items()), key=lambda x: -x[2])
+
+        for sid, n, d in tally(lambda e: e.get("args", {}).get("stream", "?")):
             lines.append(f"  stream {sid}: {n / steps:.0f} kernels/step, {d / 1e3 / steps:.2f} ms/step")
-        names: dict = {}
-        for e in kernels:
-            nm = names.setdefault(e["name"][:70], [0, 0.0])
-            nm[0] += 1
-            nm[1] += e["dur"]
-        for name, (n, d) in sorted(names.items(), key=lambda x: -x[1][1])[:rows]:
+        for name, n, d in tally(lambda e: e["name"][:70])[:rows]:
             lines.append(f"  {d / 1e3 / steps:7.2f} ms/step {n / steps:6.0f}/step  {name}")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n\n")
