@@ -72,6 +72,8 @@ OPTION_SPECS: dict[str, _Validator] = {
     "num_requests": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "kv_cache_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GB)"),
     "host_kv_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GiB): the host KV pool of host-pool modes"),
+    "device_tier": (lambda v: isinstance(v, bool), "true or false (host-pool modes: full KV past the host pool "
+                    "in the device KV budget)"),
     "top_k_blocks": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "fetch_ratio": (lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "draft": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a draft source name or null"),

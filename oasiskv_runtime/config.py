@@ -175,6 +175,12 @@ class CacheConfig:
     host_kv_bytes: int | None = None
     """Host bytes for the full-KV pool of host-pool modes. None: 8 GiB on CPU; with CUDA 64 GiB, or half the
     available RAM where that is less (pinned as one region of exactly this size)."""
+    device_tier: bool = False
+    """Host-pool modes: once the host pool is full, keep further full-KV blocks in the device KV budget (a device
+    tier, read by the same gathers device-to-device). The working sets use a small part of ``kv_cache_bytes``;
+    the tier puts the rest to use, so more requests run at the same device budget as dense. Off by default: it
+    changes no result where the host pool suffices, and prefill-decode (staged KV, prefix cache, remote KV)
+    does not support it."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

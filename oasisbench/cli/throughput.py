@@ -117,6 +117,9 @@ def throughput_cmd(
         show_default=False)] = None,
     kv_cache_gb: KvGbOpt = None,
     host_kv_gb: HostGbOpt = None,
+    device_tier: Annotated[bool, typer.Option(
+        "--device-tier/--no-device-tier", help="Host-pool modes: once the host pool is full, keep further "
+        "requests' full KV in the device KV budget (--kv-cache-gb) that their working sets leave free.")] = False,
     top_k_blocks: Annotated[int | None, typer.Option(
         "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: 128 on CUDA (the "
         "paper's); 16 on CPU, since the CPU default context of 1K tokens is only 64 blocks and 128 would make "
@@ -149,6 +152,8 @@ def throughput_cmd(
         common["num_requests"] = num_requests
     if host_kv_gb is not None:
         common["host_kv_gb"] = host_kv_gb
+    if device_tier:
+        common["device_tier"] = True
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
     points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
               for ctx in contexts for c in concurrencies for m in mode_list]

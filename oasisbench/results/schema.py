@@ -105,6 +105,8 @@ class PointMetrics(TypedDict, total=False):
     """KV bytes one request keeps in GPU memory (its resident working set)."""
     peak_device_memory_bytes: int
     """Peak allocated device memory over the run."""
+    peak_device_tier_bytes: int
+    """Most full-KV bytes held in the device tier at once (host-pool modes with ``device_tier``; else 0)."""
     max_admitted_batch: int
     """Most requests admitted at once given the KV budget (capacity, not measured concurrency)."""
 

@@ -46,6 +46,7 @@ POINT_DEFAULTS: dict[str, Any] = {
     "num_requests": None,
     "kv_cache_gb": None,
     "host_kv_gb": None,
+    "device_tier": None,
     "top_k_blocks": 128,
     "fetch_ratio": 0.05,
     "draft": "ngram",
@@ -61,11 +62,11 @@ POINT_DEFAULTS: dict[str, Any] = {
 }
 #: Point keys that go to the engine as overrides (plus ``max_num_seqs = concurrency``).
 ENGINE_KEYS = ("kv_cache_gb", "top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks",
-               "dense_layers", "measure_recall", "max_num_batched_tokens", "cuda_graphs")
+               "dense_layers", "measure_recall", "max_num_batched_tokens", "cuda_graphs", "device_tier")
 #: run_stats() counters copied into every record (extra backend counters are copied too).
 RUN_STAT_KEYS = ("max_running_batch", "mean_running_batch", "num_preemptions", "fetched_blocks_per_step",
                  "fetched_bytes_per_step", "deferred_blocks_per_step", "prediction_recall", "draft_accuracy",
-                 "resident_gpu_bytes_per_request", "peak_device_memory_bytes")
+                 "resident_gpu_bytes_per_request", "peak_device_memory_bytes", "peak_device_tier_bytes")
 #: Lowest prompt token id: keeps clear of BOS/EOS/pad and other special ids at the bottom of vocabularies.
 MIN_TOKEN_ID = 10
 #: Expected ways for one point to fail (budget too small for one request, out of memory incl.

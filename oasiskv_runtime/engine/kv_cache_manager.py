@@ -9,6 +9,11 @@ What a request holds depends on the mode (one manager, mode flags, no forks):
   context length.
 - every sparse mode: ``summary_blocks``: device blocks holding the per-block key min/max rows, one row per
   logical block, ``block_size`` rows per summary block (1/16 of the KV at block size 16).
+- host-pool modes with a device tier (``CacheConfig.device_tier``): once the host pool is full, a request's
+  full-KV blocks come from the device pool instead, listed in ``host_blocks`` as ``tier_first + device id``
+  (``tier_first`` = the host pool's size), so every path that reads the pool by block id reads either part
+  (``ops.uva_gather.PoolTier``). The working sets need a small part of the device KV budget; the tier puts the
+  rest to use, at the same budget as dense.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class RequestBlocks:
 
 class KVCacheManager:
     def __init__(self, mode: Mode, block_size: int, num_device_blocks: int, num_host_blocks: int,
-                 top_k_blocks: int, max_model_len: int) -> None:
+                 top_k_blocks: int, max_model_len: int, device_tier: bool = False) -> None:
         self.mode = mode
         self.block_size = block_size
         self.top_k_blocks = top_k_blocks
@@ -54,6 +59,40 @@ class KVCacheManager:
         self.requests: dict[int, RequestBlocks] = {}
         self.scratch_blocks = (0, 0)
         """(device, host) blocks held by :meth:`add_scratch_request` for good (no request can use them)."""
+        self.tier_first: int | None = self.host_pool.num_blocks if (device_tier and mode.uses_host_pool) else None
+        """First block id of the device tier in ``host_blocks`` lists (None: no device tier)."""
+        self.tier_blocks_used = 0
+
+    # ---- the full-KV store of host-pool modes: the host pool, then (device tier) the device pool ----------
+    def _spill(self, need_host: int, free_host: int) -> int | None:
+        """Device blocks that ``need_host`` full-KV blocks take beyond ``free_host`` host blocks (None: they do
+        not fit, no device tier)."""
+        over = max(0, need_host - max(free_host, 0)) + max(0, -free_host)
+        if over and self.tier_first is None:
+            return None
+        return over
+
+    def _take_primary(self, n: int) -> list[int]:
+        on_host = n if self.tier_first is None else min(n, self.host_pool.num_free)
+        ids = self.host_pool.allocate(on_host)
+        if n > on_host:
+            ids += [self.tier_first + b for b in self.device_pool.allocate(n - on_host)]
+            self.tier_blocks_used += n - on_host
+        return ids
+
+    def _free_primary(self, ids: list[int]) -> None:
+        if self.tier_first is None:
+            self.host_pool.free(ids)
+            return
+        tier = [b - self.tier_first for b in ids if b >= self.tier_first]
+        self.host_pool.free([b for b in ids if b < self.tier_first])
+        self.device_pool.free(tier)
+        self.tier_blocks_used -= len(tier)
+
+    def num_tier_blocks(self, rb: RequestBlocks) -> int:
+        if self.tier_first is None:
+            return 0
+        return sum(1 for b in rb.host_blocks if b >= self.tier_first)
 
     def num_ws_slots(self, max_len: int) -> int:
         """Selection slots per request: always ``top_k_blocks`` (uniform shapes let one batched selection and
@@ -85,7 +124,14 @@ class KVCacheManager:
                 f"KV cache budget too small for one request: {len(seq.prompt_token_ids)} prompt tokens + "
                 f"{seq.params.max_tokens} output tokens need {device} device blocks in mode {self.mode.value}, "
                 f"the budget holds {usable_device}; raise kv_cache_bytes (--kv-cache-gb)")
-        if host > usable_host:
+        spill = self._spill(host, usable_host)
+        if spill is not None and device + spill > usable_device:
+            raise ValueError(
+                f"KV cache budget too small for one request: {len(seq.prompt_token_ids)} prompt tokens + "
+                f"{seq.params.max_tokens} output tokens need {host} full-KV blocks, the host pool holds "
+                f"{usable_host} and the device tier the {usable_device - device} device blocks left after the "
+                f"working set; raise host_kv_bytes (--host-kv-gb) or kv_cache_bytes (--kv-cache-gb)")
+        if spill is None:
             raise ValueError(
                 f"host KV pool too small for one request: needs {host} host blocks, the pool holds "
                 f"{usable_host}; raise host_kv_bytes (--host-kv-gb)")
@@ -129,8 +175,8 @@ class KVCacheManager:
         need_device, need_host = self.pending_needs(seq)
         keep_device = int(ADMIT_WATERMARK * self.device_pool.num_blocks) + reserved[0]
         keep_host = int(ADMIT_WATERMARK * self.host_pool.num_blocks) + reserved[1]
-        return (need_device <= self.device_pool.num_free - keep_device
-                and need_host <= self.host_pool.num_free - keep_host)
+        spill = self._spill(need_host, self.host_pool.num_free - keep_host)
+        return spill is not None and need_device + spill <= self.device_pool.num_free - keep_device
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``seq``. All or nothing; False when out of blocks."""
@@ -138,12 +184,13 @@ class KVCacheManager:
         device, host = self._needs(seq, seq.num_computed_tokens + num_new_tokens)
         need_device = max(0, device - rb.num_device_blocks)
         need_host = max(0, host - len(rb.host_blocks))
-        if need_device > self.device_pool.num_free or need_host > self.host_pool.num_free:
+        spill = self._spill(need_host, self.host_pool.num_free)
+        if spill is None or need_device + spill > self.device_pool.num_free:
             if not rb.num_device_blocks and not rb.host_blocks:
                 del self.requests[seq.seq_id]
             return False
         if self.mode.uses_host_pool:
-            rb.host_blocks += self.host_pool.allocate(need_host)
+            rb.host_blocks += self._take_primary(need_host)
             if not rb.ws_blocks:
                 n_ws = self.num_ws_slots(self.max_len(seq)) + 1
                 rb.ws_blocks = self.device_pool.allocate(n_ws)
@@ -162,7 +209,7 @@ class KVCacheManager:
         if rb is None:
             return
         self.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
-        self.host_pool.free(rb.host_blocks[rb.num_shared_host:])
+        self._free_primary(rb.host_blocks[rb.num_shared_host:])
 
     def attach_prefix(self, seq: Sequence, host_blocks: list[int]) -> None:
         """Start a waiting request with KV already in these host blocks (a prefix-cache hit): its first
@@ -184,11 +231,13 @@ class KVCacheManager:
         return blocks
 
     def free_host_blocks(self, blocks: list[int]) -> None:
-        self.host_pool.free(blocks)
+        self._free_primary(blocks)
 
     def blocks(self, seq: Sequence) -> RequestBlocks:
         return self.requests[seq.seq_id]
 
     def device_blocks_held(self, seq: Sequence) -> int:
+        """Device blocks the request holds: working set, summaries, full KV on the device (dense modes and the
+        device tier)."""
         rb = self.requests.get(seq.seq_id)
-        return rb.num_device_blocks if rb else 0
+        return rb.num_device_blocks + self.num_tier_blocks(rb) if rb else 0

@@ -39,6 +39,8 @@ class EngineStats:
     decode_batch: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     peak_device_blocks: int = 0
+    peak_tier_blocks: int = 0
+    """Most full-KV blocks in the device tier at once (CacheConfig.device_tier)."""
     request_device_blocks: list[int] = field(default_factory=list)
     """Most device blocks each finished request held (working set + summaries in sparse modes)."""
     num_draft_checked: int = 0
@@ -81,7 +83,7 @@ class LLMEngine:
         num_host_blocks = host_bytes // self.block_bytes if config.mode.uses_host_pool else 0
         self.max_model_len = mc.max_position_embeddings
         self.kv = KVCacheManager(config.mode, bs, num_device_blocks, num_host_blocks,
-                                 config.sparse.top_k_blocks, self.max_model_len)
+                                 config.sparse.top_k_blocks, self.max_model_len, config.cache.device_tier)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend = self._make_backend(num_device_blocks, num_host_blocks)
         self.runner = ModelRunner(self.model, config, self.kv, self.backend)
@@ -145,6 +147,9 @@ class LLMEngine:
         only the rest of the prompt is computed."""
         if stage_kv and not self.config.mode.uses_host_pool:
             raise ValueError(f"staging KV for a decode peer needs a host-pool mode, not {self.config.mode.value}")
+        if (stage_kv or prefix is not None) and self.kv.tier_first is not None:
+            raise ValueError("staged KV and prefix-cache hits live in the host pool: not supported with a device "
+                             "tier (device_tier)")
         seq = self._new_sequence(prompt_token_ids, params, request_id, arrival)
         seq.stage_kv = stage_kv
         self.scheduler.add(seq)
@@ -273,6 +278,7 @@ class LLMEngine:
         self.stats.running_batch.append(len(self.scheduler.running))
         self.stats.decode_batch.append(sum(1 for s in sched.scheduled if s.num_tokens == 1))
         self.stats.peak_device_blocks = max(self.stats.peak_device_blocks, self.kv.device_pool.num_used)
+        self.stats.peak_tier_blocks = max(self.stats.peak_tier_blocks, self.kv.tier_blocks_used)
         finished = []
         held = self._held_blocks
         for s in sched.scheduled:
@@ -355,6 +361,7 @@ class LLMEngine:
             "mean_running_batch": st.mean_running_batch,
             "num_preemptions": st.num_preemptions,
             "peak_device_memory_bytes": st.peak_device_blocks * self.block_bytes,
+            "peak_device_tier_bytes": st.peak_tier_blocks * self.block_bytes,
             "resident_gpu_bytes_per_request": (sum(per_req) / len(per_req) * self.block_bytes) if per_req else None,
             "draft_accuracy": (st.num_draft_correct / st.num_draft_checked) if st.num_draft_checked else None,
             "fetched_blocks_per_step": 0.0,

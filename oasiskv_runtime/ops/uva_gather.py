@@ -32,6 +32,11 @@ Two kernels, one launch each (grid = n copies x {K, V}):
 ``uva_gather_blocks`` (reference ``uva_gather_blocks_ref``) reads a sequence's first tokens from
 whole blocks of the pool into a contiguous ``[rows, Hkv, D]`` device tensor with the same kernel:
 what prefill attention over a host-pool context reads, without a host sync.
+
+Every function here takes an optional :class:`PoolTier`: a pool whose block ids run past the host part into a
+second tensor (the device tier of ``CacheConfig.device_tier``: full-KV blocks kept in the device KV budget once
+the host pool is full). Ids ``>= tier.first`` address block ``id - tier.first`` of ``tier.k`` / ``tier.v``. On
+CUDA that is the same kernel launched once per part over ``-1``-masked id lists (no host sync to split them).
 """
 from __future__ import annotations
 
@@ -42,15 +47,15 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from oasiskv_runtime.config import GATHER_CTAS
 from oasiskv_runtime.ops.common import loads, next_pow2
 
-__all__ = ["uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
-           "build_cuda_extension"]
+__all__ = ["PoolTier", "uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
+           "uva_scatter_rows", "uva_scatter_rows_ref", "build_cuda_extension"]
 
 triton = None
 tl = None
@@ -61,6 +66,23 @@ _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
 
 
 _next_pow2 = next_pow2
+
+
+class PoolTier(NamedTuple):
+    """The blocks of a pool past its host part: block id ``first + j`` is block ``j`` of ``k`` / ``v``
+    (``[num_blocks, block_size, Hkv, D]``, on the device in the engine)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    first: int
+
+
+def split_ids(ids: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids below first, ids at or past first minus first)``, each ``-1`` where the id belongs to the other part
+    (an id of ``-1`` stays ``-1`` in both): two fixed-size lists for one masked launch each."""
+    ids = ids.to(torch.int64)
+    neg = torch.full_like(ids, -1)
+    return torch.where(ids < first, ids, neg), torch.where(ids >= first, ids - first, neg)
 
 
 def _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads):
@@ -77,8 +99,14 @@ def _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads):
     return n
 
 
-def uva_gather_ref(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads) -> None:
-    """Reference: gather on the source device, one bulk transfer, index_copy_ on the target."""
+def uva_gather_ref(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads, tier: PoolTier | None = None) -> None:
+    """Reference: gather on the source device, one bulk transfer, index_copy_ on the target (per part of a tiered
+    pool)."""
+    if tier is not None:
+        src_host, src_tier = split_ids(src_blocks, tier.first)
+        uva_gather_ref(host_k, host_v, dev_k, dev_v, src_host, dst_blocks, heads)
+        uva_gather_ref(tier.k, tier.v, dev_k, dev_v, src_tier, dst_blocks, heads)
+        return
     n = _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
     keep = src_blocks >= 0  # entries with src = -1 are unused slots of a fixed-size plan
     if not bool(keep.all()):
@@ -166,8 +194,10 @@ def _kernels():
         for i in range(tl.program_id(0), n, programs):
             s = tl.load(SRC_ROWS + i).to(tl.int64)
             d = tl.load(DST_ROWS + i).to(tl.int64)
-            tl.store(HK + d * W + c, tl.load(SRC_K + s * W + c, mask=m), mask=m)
-            tl.store(HV + d * W + c, tl.load(SRC_V + s * W + c, mask=m), mask=m)
+            mm = m & (d >= 0)  # -1: a row that goes to the other part of a tiered pool
+            d = tl.maximum(d, 0)
+            tl.store(HK + d * W + c, tl.load(SRC_K + s * W + c, mask=mm), mask=mm)
+            tl.store(HV + d * W + c, tl.load(SRC_V + s * W + c, mask=mm), mask=mm)
 
     from types import SimpleNamespace
     _KERNELS = SimpleNamespace(gather=_uva_gather_kernel, scatter=_uva_scatter_kernel)
@@ -279,8 +309,9 @@ _PREFERRED = ("triton", "cuda")
 
 def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                dev_v: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
-               heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_CTAS) -> str:
-    """Copy the listed (block, head) slices host -> device in one kernel launch.
+               heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_CTAS,
+               tier: PoolTier | None = None) -> str:
+    """Copy the listed (block, head) slices host -> device in one kernel launch (one per part of a tiered pool).
 
     ``backend``: ``"auto"`` (Triton, else the CUDA C kernel; the reference when
     ``dev_k`` is not on CUDA), ``"triton"``, ``"cuda"`` or ``"ref"``. Index tensors may
@@ -288,6 +319,13 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
     looping over its share of the copies (``<= 0``: one CTA per copy, the CUDA C kernel's layout).
     Returns the backend used.
     """
+    if tier is not None:
+        _check(tier.k, tier.v, dev_k, dev_v, src_blocks, dst_blocks, heads)
+        src_host, src_tier = split_ids(src_blocks, tier.first)
+        used = uva_gather(host_k, host_v, dev_k, dev_v, src_host, dst_blocks, heads, backend=backend,
+                          programs=programs)
+        uva_gather(tier.k, tier.v, dev_k, dev_v, src_tier, dst_blocks, heads, backend=backend, programs=programs)
+        return used
     n = _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
     if backend not in ("auto", "triton", "cuda", "ref"):
         raise ValueError(f"unknown backend {backend!r}")
@@ -323,19 +361,35 @@ def _rows_out(host_k: torch.Tensor, num_tokens: int, out_rows: int | None) -> in
     return rows
 
 
+def _select_blocks(pool: torch.Tensor, tier_t: torch.Tensor | None, first: int, ids: torch.Tensor,
+                   device: torch.device) -> torch.Tensor:
+    """Blocks ``ids`` of a (possibly tiered) pool as ``[n, block_size, Hkv, D]`` on ``device``."""
+    if tier_t is None:
+        return pool.index_select(0, ids.to(pool.device, torch.int64)).to(device)
+    ids = ids.to("cpu", torch.int64)
+    out = torch.empty((ids.numel(), *pool.shape[1:]), dtype=pool.dtype, device=device)
+    in_tier = ids >= first
+    for part, t, idx in ((~in_tier, pool, ids), (in_tier, tier_t, ids - first)):
+        pos = part.nonzero().flatten()
+        if pos.numel():
+            out[pos.to(device)] = t.index_select(0, idx[pos].to(t.device)).to(device)
+    return out
+
+
 def uva_gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, blocks: torch.Tensor, num_tokens: int,
-                          out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :func:`uva_gather_blocks`: ``index_select`` of whole blocks where the pool lives, one bulk
-    ``.to(blocks.device)``; rows ``>= num_tokens`` of the result are left unset."""
+                          out_rows: int | None = None, tier: PoolTier | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`uva_gather_blocks`: ``index_select`` of whole blocks where the pool (each part of a
+    tiered one) lives, one bulk ``.to(blocks.device)``; rows ``>= num_tokens`` of the result are left unset."""
     rows = _rows_out(host_k, num_tokens, out_rows)
     _, BS, H, D = host_k.shape
     nb = -(-num_tokens // BS)
     if nb > blocks.numel():
         raise ValueError(f"{num_tokens} tokens need {nb} blocks, got {blocks.numel()}")
-    ids = blocks[:nb].to(host_k.device, torch.int64)
+    ids = blocks[:nb]
     out = []
-    for h in (host_k, host_v):
-        vals = h.index_select(0, ids).flatten(0, 1)[:num_tokens].to(blocks.device)
+    for h, t in ((host_k, tier and tier.k), (host_v, tier and tier.v)):
+        vals = _select_blocks(h, t, tier.first if tier else 0, ids, blocks.device).flatten(0, 1)[:num_tokens]
         if rows > num_tokens:
             buf = torch.empty((rows, H, D), dtype=h.dtype, device=blocks.device)
             buf[:num_tokens] = vals
@@ -345,7 +399,8 @@ def uva_gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, blocks: to
 
 
 def uva_gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, blocks: torch.Tensor, num_tokens: int,
-                      out_rows: int | None = None, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                      out_rows: int | None = None, *, backend: str = "auto", tier: PoolTier | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sequence's first ``num_tokens`` keys and values, read from whole blocks of a pinned host pool, as
     contiguous ``[out_rows, Hkv, D]`` tensors on ``blocks.device`` (rows ``>= num_tokens`` are left unset, so
     a caller can append rows it already holds without a concatenation).
@@ -359,7 +414,7 @@ def uva_gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, blocks: torch.
     """
     rows = _rows_out(host_k, num_tokens, out_rows)
     if backend == "ref" or (backend == "auto" and not blocks.is_cuda):
-        return uva_gather_blocks_ref(host_k, host_v, blocks, num_tokens, out_rows)
+        return uva_gather_blocks_ref(host_k, host_v, blocks, num_tokens, out_rows, tier)
     _, BS, H, D = host_k.shape
     dev = blocks.device
     nb = -(-num_tokens // BS)
@@ -372,35 +427,52 @@ def uva_gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, blocks: torch.
         src = blocks[:nb].to(torch.int64)[:, None].expand(nb, H).reshape(-1)
         dst = torch.arange(nb, device=dev)[:, None].expand(nb, H).reshape(-1)
         heads = torch.arange(H, device=dev)[None, :].expand(nb, H).reshape(-1)
-        uva_gather(host_k, host_v, out_k, out_v, src, dst, heads, backend=backend)
+        uva_gather(host_k, host_v, out_k, out_v, src, dst, heads, backend=backend, tier=tier)
     return out_k.view(-1, H, D)[:rows], out_v.view(-1, H, D)[:rows]
 
 
 def uva_scatter_rows_ref(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                         dst_rows: torch.Tensor) -> None:
-    """Reference: ``host.view(-1, Hkv, D)[dst_rows[i]] = k[i]`` for K and V (any devices)."""
+                         dst_rows: torch.Tensor, tier: PoolTier | None = None) -> None:
+    """Reference: ``host.view(-1, Hkv, D)[dst_rows[i]] = k[i]`` for K and V (any devices); rows of ``-1`` are
+    skipped, rows past the host part of a tiered pool go to its tier."""
+    if tier is not None:
+        rows_host, rows_tier = split_ids(dst_rows, tier.first * host_k.shape[1])
+        uva_scatter_rows_ref(k, v, host_k, host_v, rows_host)
+        uva_scatter_rows_ref(k, v, tier.k, tier.v, rows_tier)
+        return
     h, d = host_k.shape[-2], host_k.shape[-1]
     rows = dst_rows.to(host_k.device, torch.int64)
+    keep = rows >= 0
+    if not bool(keep.all()):
+        k, v, rows = k[keep.to(k.device)], v[keep.to(v.device)], rows[keep]
     host_k.view(-1, h, d).index_copy_(0, rows, k.to(host_k.device, host_k.dtype))
     host_v.view(-1, h, d).index_copy_(0, rows, v.to(host_v.device, host_v.dtype))
 
 
 def uva_scatter_rows(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                     dst_rows: torch.Tensor, programs: int = 0) -> None:
+                     dst_rows: torch.Tensor, programs: int = 0, tier: PoolTier | None = None) -> None:
     """Write token rows ``k, v: [n, Hkv, D]`` (CUDA) into a pinned host pool viewed as ``[rows, Hkv, D]`` with
-    one kernel launch and no host synchronisation (the GPU writes over UVA). ``programs``: CTAs in the grid,
-    each looping over its share of the rows (0: one per row). Falls back to the reference for CPU tensors."""
+    one kernel launch (one per part of a tiered pool) and no host synchronisation (the GPU writes over UVA).
+    ``programs``: CTAs in the grid, each looping over its share of the rows (0: one per row). Rows of ``-1`` are
+    skipped. Falls back to the reference for CPU tensors."""
     n = k.shape[0]
     if n == 0:
         return
-    if not k.is_cuda or host_k.is_cuda or not host_k.is_pinned() or not _triton_available():
+    if tier is not None:
+        rows_host, rows_tier = split_ids(dst_rows, tier.first * host_k.shape[1])
+        uva_scatter_rows(k, v, host_k, host_v, rows_host, programs)
+        uva_scatter_rows(k, v, tier.k, tier.v, rows_tier, programs)
+        return
+    mapped = host_k.is_cuda or host_k.is_pinned()
+    if not k.is_cuda or not mapped or not _triton_available():
         uva_scatter_rows_ref(k, v, host_k, host_v, dst_rows)
         return
     kk, vv = k.contiguous(), v.contiguous()
     w = kk.shape[1] * kk.shape[2]
     src = torch.arange(n, device=k.device)
     K = _kernels()
+    hk, hv = _host_ptrs(host_k, host_v)
     with torch.cuda.device(k.device):
         grid = min(n, programs) if programs > 0 else n
-        K.scatter[(grid,)](kk, vv, _MappedPtr(host_k), _MappedPtr(host_v), src, _index(dst_rows, k.device), n,
+        K.scatter[(grid,)](kk, vv, hk, hv, src, _index(dst_rows, k.device), n,
                            grid, W=w, W_PAD=_next_pow2(w), num_warps=4)

@@ -33,7 +33,8 @@ from oasiskv_runtime.ops.select_plan import select_plan
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.ops.summary_update import token_runs, update_summaries, update_summaries_runs
 from oasiskv_runtime.ops.common import host_list_to
-from oasiskv_runtime.ops.uva_gather import uva_gather, uva_gather_blocks, uva_scatter_rows
+from oasiskv_runtime.ops.uva_gather import (PoolTier, uva_gather, uva_gather_blocks, uva_gather_blocks_ref,
+                                            uva_scatter_rows)
 from oasiskv_runtime.sparse.selector_torch import select_rows
 from oasiskv_runtime.sparse.stats import SparseStats
 from oasiskv_runtime.transfer.engine import SyncTransferEngine, TransferPlan
@@ -86,7 +87,8 @@ class SparseAttention:
             self.slot_map = torch.full(shape, -1, dtype=torch.long, device=device)
             """Per-head mapping (SPEC item 5): logical block held by each working-set slot, -1 empty."""
             self.last_sel = torch.full(shape, -1, dtype=torch.long, device=device)
-            self.transfer = SyncTransferEngine(host_cache.k, host_cache.v, device_cache.k, device_cache.v)
+            self.transfer = SyncTransferEngine(host_cache.k, host_cache.v, device_cache.k, device_cache.v,
+                                               tier_first=kv.tier_first)
         # The asynchronous pipeline (SPEC item 3) runs on CUDA with the kernels: prediction, selection and
         # transfer of layer l go to three background streams ordered by events; step t+1's layer l waits only
         # for step t's layer-l transfer event. Counters stay on the device: no host round trip per layer.
@@ -111,6 +113,23 @@ class SparseAttention:
         self.ready: set[int] = set()
         self.pending_pred: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
         self.meta: StepMetadata | None = None
+
+    def _tier(self, layer: int) -> PoolTier | None:
+        """The device tier of the full-KV pool (``CacheConfig.device_tier``): block ids from ``kv.tier_first``
+        on are blocks of the device cache."""
+        if self.kv.tier_first is None:
+            return None
+        return PoolTier(self.dev_cache.k[layer], self.dev_cache.v[layer], self.kv.tier_first)
+
+    def _primary_gather(self, layer: int, block_table: list[int], num_tokens: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first ``num_tokens`` keys and values from its primary store, read where it lives (the
+        host-side reference path)."""
+        if self.kv.tier_first is None:
+            return self.primary.gather(layer, block_table, num_tokens)
+        ids = torch.tensor(block_table[:cdiv(num_tokens, self.bs)], dtype=torch.long)
+        return uva_gather_blocks_ref(self.host_cache.k[layer], self.host_cache.v[layer], ids, num_tokens,
+                                     tier=self._tier(layer))
 
     # ---- request lifecycle ------------------------------------------------------------------------
     def _row(self, seq_id: int) -> int:
@@ -179,6 +198,9 @@ class SparseAttention:
         of ``state["slot_map"]`` and the partial last block): summaries, the per-head map, the working set."""
         if not self.mode.uses_host_pool:
             raise ValueError(f"import_request needs a host-pool mode, not {self.mode.value}")
+        if self.kv.tier_first is not None:
+            raise ValueError("a request prefilled by a peer arrives in the host pool: not supported with a "
+                             "device tier (device_tier)")
         if state["top_k_blocks"] != self.k_slots:
             raise ValueError(f"prefill peer selects {state['top_k_blocks']} blocks per head, this engine "
                              f"{self.k_slots}: both sides need the same top_k_blocks")
@@ -379,8 +401,9 @@ class SparseAttention:
     # ---- the layer --------------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, w = self.meta, self._written
-        if self.mode.uses_host_pool and k.is_cuda:
-            uva_scatter_rows(k[w], v[w], self.host_cache.k[layer], self.host_cache.v[layer], meta.slot_mapping[w])
+        if self.mode.uses_host_pool and (k.is_cuda or self.kv.tier_first is not None):
+            uva_scatter_rows(k[w], v[w], self.host_cache.k[layer], self.host_cache.v[layer], meta.slot_mapping[w],
+                             tier=self._tier(layer))
         else:
             self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), k[w], v[w])
         b = self.batch
@@ -443,7 +466,7 @@ class SparseAttention:
             vs = self.dev_cache.v[layer].index_select(0, blocks).flatten(0, 1)[:prefix]
             return torch.cat([ks, kc]), torch.cat([vs, vc])
         ks, vs = uva_gather_blocks(self.host_cache.k[layer], self.host_cache.v[layer], blocks, prefix,
-                                   s.context_len, backend=self._pool_gather_backend())
+                                   s.context_len, backend=self._pool_gather_backend(), tier=self._tier(layer))
         ks[prefix:] = kc
         vs[prefix:] = vc
         return ks, vs
@@ -471,7 +494,7 @@ class SparseAttention:
             return
         if q.is_cuda and self.mode.uses_host_pool:
             torch.cuda.current_stream(self.device).synchronize()  # UVA writes must land before the CPU reads
-        ks, vs = self.primary.gather(layer, s.block_table, s.context_len)
+        ks, vs = self._primary_gather(layer, s.block_table, s.context_len)
         ks, vs = ks.to(q.device), vs.to(q.device)
         rows = slice(s.query_start, s.query_start + s.num_query)
         allowed = causal_allowed(s.num_query, s.context_len, q.device) if s.num_query > 1 else None
@@ -549,7 +572,8 @@ class SparseAttention:
                 self.remote.ensure(layer, src[src >= 0])  # a host round trip: prefill-decode cache misses only
             if not self.cfg.disable_transfers:
                 uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
-                           self.dev_cache.v[layer], src, dst, head, programs=self.cfg.gather_ctas)
+                           self.dev_cache.v[layer], src, dst, head, programs=self.cfg.gather_ctas,
+                           tier=self._tier(layer))
             if stream is not None:
                 self.xfer_done[layer] = stream.record_event()
 
@@ -656,7 +680,7 @@ class SparseAttention:
             if hb is None:
                 hb = memo[key] = host_list_to([s.block_table[j]], torch.long, self.device)
             tk, tv = uva_gather_blocks(self.host_cache.k[layer], self.host_cache.v[layer], hb, used,
-                                       backend=self._pool_gather_backend())
+                                       backend=self._pool_gather_backend(), tier=self._tier(layer))
             local = self.kv.requests[s.seq_id].ws_blocks[0]
             self.dev_cache.k[layer][local, :used] = tk
             self.dev_cache.v[layer][local, :used] = tv
@@ -685,9 +709,10 @@ class SparseAttention:
         for s in done:
             j, used = s.context_len // bs, s.context_len % bs
             if used:
-                hb, local = s.block_table[j], self.kv.requests[s.seq_id].ws_blocks[0]
-                self.dev_cache.k[layer][local, :used] = self.host_cache.k[layer][hb, :used].to(self.device)
-                self.dev_cache.v[layer][local, :used] = self.host_cache.v[layer][hb, :used].to(self.device)
+                tk, tv = self._primary_gather(layer, s.block_table[j:j + 1], used)
+                local = self.kv.requests[s.seq_id].ws_blocks[0]
+                self.dev_cache.k[layer][local, :used] = tk.to(self.device)
+                self.dev_cache.v[layer][local, :used] = tv.to(self.device)
 
     def end_step(self) -> None:
         if self.meta is not None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oasiskv_runtime.ops.uva_gather import PoolTier, uva_gather_ref
+
 
 @dataclass
 class TransferPlan:
@@ -32,20 +34,20 @@ class TransferPlan:
 
 
 class SyncTransferEngine:
+    """``tier_first``: source ids from this one on are blocks of the device cache itself (the device tier of the
+    full-KV pool, ``CacheConfig.device_tier``)."""
+
     def __init__(self, host_k: list[torch.Tensor], host_v: list[torch.Tensor], dev_k: list[torch.Tensor],
-                 dev_v: list[torch.Tensor]) -> None:
+                 dev_v: list[torch.Tensor], tier_first: int | None = None) -> None:
         self.host_k, self.host_v, self.dev_k, self.dev_v = host_k, host_v, dev_k, dev_v
+        self.tier_first = tier_first
 
     def submit(self, plan: TransferPlan) -> None:
         if plan.num_copies == 0:
             return
         l = plan.layer
-        dev = self.dev_k[l].device
-        src, heads = plan.src_blocks.to(self.host_k[l].device), plan.heads.to(self.host_k[l].device)
-        # Advanced indexing gathers all copies in one op: [n, block_size, D].
-        k = self.host_k[l][src, :, heads].to(dev, non_blocking=True)
-        v = self.host_v[l][src, :, heads].to(dev, non_blocking=True)
-        dst, hd = plan.dst_blocks.to(dev), plan.heads.to(dev)
-        self.dev_k[l][dst, :, hd] = k
-        self.dev_v[l][dst, :, hd] = v
+        tier = None if self.tier_first is None else PoolTier(self.dev_k[l], self.dev_v[l], self.tier_first)
+        # Batched index operations gather all copies in one op per part of the pool, one bulk transfer each.
+        uva_gather_ref(self.host_k[l], self.host_v[l], self.dev_k[l], self.dev_v[l], plan.src_blocks,
+                       plan.dst_blocks, plan.heads, tier=tier)
 
