@@ -80,10 +80,11 @@ def test_tiered_kernels_match_reference_on_cuda(dtype, bs, h, d, programs):
     tier = ug.PoolTier(tk, tv, n_host)
     src = torch.randint(0, n_host + n_tier, (n,), generator=gen)
     src[torch.rand(n, generator=gen) < 0.2] = -1
-    flat = torch.randperm(64 * h, generator=gen)[:n]
+    n_dev = 2 * n                                             # room for n distinct (block, head) targets
+    flat = torch.randperm(n_dev * h, generator=gen)[:n]
     dst, heads = flat // h, flat % h
-    a, b = torch.zeros(64, bs, h, d, dtype=dtype, device="cuda"), torch.zeros(64, bs, h, d, dtype=dtype,
-                                                                              device="cuda")
+    a = torch.zeros(n_dev, bs, h, d, dtype=dtype, device="cuda")
+    b = torch.zeros_like(a)
     ra, rb = a.clone(), b.clone()
     ug.uva_gather_ref(hk, hv, ra, rb, src, dst, heads, tier=ug.PoolTier(tk, tv, n_host))
     ug.uva_gather(hk, hv, a, b, src.cuda(), dst.cuda(), heads.cuda(), programs=programs, tier=tier)
