@@ -137,52 +137,63 @@ def kernel_profile(eng: LLMEngine, title: str, path: str, steps: int = 3, rows: 
         f.write(f"==== {title}, {steps} eager steps\n{table}\n")
 
 
-def replay_trace(eng: LLMEngine, title: str, path: str, steps: int = 2, rows: int = 12) -> None:
-    """What the GPU does during ``steps`` steps as they run (graph replays included, unlike
-    :func:`kernel_profile`): kernels per stream from a torch.profiler trace, the union of their busy time
-    against the wall window (the rest: the GPU waits on launches, events or the host), and the top kernels
-    by total time. Appended to ``path`` as text; the raw trace of the first point goes beside it (.json.gz)."""
+def trace_lines(prof, title: str, steps: int, rows: int = 12, raw_copy: str | None = None) -> list[str]:
+    """What the GPU did under ``prof`` (a finished torch.profiler run over ``steps`` steps, graph replays
+    included): kernels per stream, the union of their busy time against the wall window (the rest: the GPU waits
+    on launches, events or the host), and the top kernels by total time, each with its stream. ``raw_copy``: a
+    .json.gz path the raw trace is written to (once: an existing file is kept)."""
     import gzip
     import os
     import tempfile
 
-    prof = _torch_profile(eng, steps)
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(raw)
         with open(raw) as f:
             trace = json.load(f)
-        gz = os.path.splitext(path)[0] + "-first.json.gz"
-        if not os.path.exists(gz):
-            with open(raw, "rb") as f, gzip.open(gz, "wb") as g:
+        if raw_copy is not None and not os.path.exists(raw_copy):
+            with open(raw, "rb") as f, gzip.open(raw_copy, "wb") as g:
                 g.write(f.read())
     kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
     lines = [f"==== {title}: {steps} steps as they run, {len(kernels)} kernels"]
-    if kernels:
-        t0 = min(e["ts"] for e in kernels)
-        t1 = max(e["ts"] + e["dur"] for e in kernels)
-        busy, end = 0.0, t0
-        for e in sorted(kernels, key=lambda e: e["ts"]):  # union of the kernels' intervals
-            a, b = max(e["ts"], end), e["ts"] + e["dur"]
-            if b > a:
-                busy += b - a
-            end = max(end, b)
-        summed = sum(e["dur"] for e in kernels)
-        lines.append(f"window {(t1 - t0) / 1e3 / steps:.2f} ms/step, some kernel running {busy / 1e3 / steps:.2f} "
-                     f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {summed / 1e3 / steps:.2f} ms/step")
-        def tally(key) -> list:
-            """(key, kernel count, summed duration) per value of ``key``, longest first."""
-            out: dict = {}
-            for e in kernels:
-                c = out.setdefault(key(e), [0, 0.0])
-                c[0] += 1
-                c[1] += e["dur"]
-            return sorted(((k, n, d) for k, (n, d) in out.items()), key=lambda x: -x[2])
+    if not kernels:
+        return lines
+    t0 = min(e["ts"] for e in kernels)
+    t1 = max(e["ts"] + e["dur"] for e in kernels)
+    busy, end = 0.0, t0
+    for e in sorted(kernels, key=lambda e: e["ts"]):  # union of the kernels' intervals
+        a, b = max(e["ts"], end), e["ts"] + e["dur"]
+        if b > a:
+            busy += b - a
+        end = max(end, b)
+    summed = sum(e["dur"] for e in kernels)
+    lines.append(f"window {(t1 - t0) / 1e3 / steps:.2f} ms/step, some kernel running {busy / 1e3 / steps:.2f} "
+                 f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {summed / 1e3 / steps:.2f} ms/step")
 
-        for sid, n, d in tally(lambda e: e.get("args", {}).get("stream", "?")):
-            lines.append(f"  stream {sid}: {n / steps:.0f} kernels/step, {d / 1e3 / steps:.2f} ms/step")
-        for name, n, d in tally(lambda e: e["name"][:70])[:rows]:
-            lines.append(f"  {d / 1e3 / steps:7.2f} ms/step {n / steps:6.0f}/step  {name}")
+    def tally(key) -> list:
+        """(key, kernel count, summed duration) per value of ``key``, longest first."""
+        out: dict = {}
+        for e in kernels:
+            c = out.setdefault(key(e), [0, 0.0])
+            c[0] += 1
+            c[1] += e["dur"]
+        return sorted(((k, n, d) for k, (n, d) in out.items()), key=lambda x: -x[2])
+
+    stream = lambda e: e.get("args", {}).get("stream", "?")  # noqa: E731
+    for sid, n, d in tally(stream):
+        lines.append(f"  stream {sid}: {n / steps:.0f} kernels/step, {d / 1e3 / steps:.2f} ms/step")
+    for (name, sid), n, d in tally(lambda e: (e["name"][:70], stream(e)))[:rows]:
+        lines.append(f"  {d / 1e3 / steps:7.2f} ms/step {n / steps:6.0f}/step  stream {sid}  {name}")
+    return lines
+
+
+def replay_trace(eng: LLMEngine, title: str, path: str, steps: int = 2, rows: int = 12) -> None:
+    """:func:`trace_lines` of ``steps`` engine steps as they run, appended to ``path`` as text; the raw trace of
+    the first point goes beside it (.json.gz)."""
+    import os
+
+    prof = _torch_profile(eng, steps)
+    lines = trace_lines(prof, title, steps, rows, raw_copy=os.path.splitext(path)[0] + "-first.json.gz")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n\n")
 

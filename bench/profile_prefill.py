@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from bench_decode import trace_lines  # the script's own folder is on sys.path
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.models.loader import model_config_for
 
@@ -163,6 +164,8 @@ def main() -> None:
                       f"({', '.join(f'{x:.0f}' for x in pre)}); decode steps {len(dec)} x "
                       f"{sum(dec) / max(1, len(dec)):.1f} ms; warm-up run {sum(ms for _, ms in warm):.0f} ms; "
                       f"profiled run {sum(ms for _, ms in profiled):.0f} ms (profiler overhead included)")
+        if args.device == "cuda":  # per stream and per kernel, as the steps ran (which stream is the critical path)
+            report += trace_lines(prof, f"{mode} profiled run", len(profiled), args.rows)
         ka = prof.key_averages()
         if args.device == "cuda":
             report.append(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
