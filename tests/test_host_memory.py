@@ -37,3 +37,21 @@ def test_pinned_pool_is_one_exact_region_of_disjoint_pinned_layers():
     assert all(bool((t == i).all()) for i, t in enumerate(tensors))
     # The GPU reads it zero-copy: a non_blocking upload sees the written values.
     assert torch.equal(c.k[2].to("cuda", non_blocking=True).cpu(), c.k[2])
+
+
+def test_huge_page_advice_covers_the_aligned_part_only():
+    from oasiskv_runtime.transfer.host_memory import advise_huge_pages, huge_page_bytes
+
+    small = torch.empty(1 << 20, dtype=torch.uint8)
+    assert not advise_huge_pages(small.data_ptr(), small.numel())  # no whole 2 MiB page inside
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off here")
+    buf = torch.empty(64 << 20, dtype=torch.uint8)
+    before = huge_page_bytes()
+    assert advise_huge_pages(buf.data_ptr(), buf.numel())
+    buf.fill_(1)  # faults the pages in: 2 MiB ones where the advice took
+    assert huge_page_bytes() > before
