@@ -117,6 +117,9 @@ def main() -> None:
     ap.add_argument("--decode-context", type=int, default=4096, help="prompt tokens of each decoding request")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (timings mean nothing)")
     ap.add_argument("--out", default="prefill-profile.txt")
+    ap.add_argument("--ab", default="", help="an engine option (e.g. copy_engine_prefill): each mode runs with it "
+                    "True, then False, in this process (an A/B measured side by side)")
+    ap.add_argument("--no-profile", action="store_true", help="only the timed run (no torch.profiler run)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     mc, src, _ = model_config_for(args.model)
@@ -135,10 +138,12 @@ def main() -> None:
     working_sets_gb = gb_per_token * (args.decode_rows + args.requests) * (TOP_K + 2) * 16  # oasiskv: K + 2 blocks
     kv_gb, host_gb = max(args.kv_gb, need_gb, working_sets_gb), max(args.host_gb, need_gb)
     report[0] += f"; device KV {kv_gb:.1f} GiB, host pool {host_gb:.1f} GiB"
-    for mode in args.modes.split(","):
+    variants = [{args.ab: True}, {args.ab: False}] if args.ab else [{}]
+    for mode, variant in ((m, v) for m in args.modes.split(",") for v in variants):
         llm = LLM(args.model, device=args.device, dtype=dtype, mode=mode, kv_cache_gb=kv_gb,
                   host_kv_bytes=int(host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=TOP_K,
-                  fetch_ratio=0.05, max_num_seqs=max(8, args.requests + args.decode_rows))
+                  fetch_ratio=0.05, max_num_seqs=max(8, args.requests + args.decode_rows), **variant)
+        label = mode + "".join(f" {k}={v}" for k, v in variant.items())
         vocab = llm.engine.model_config.vocab_size
 
         def prompts() -> list[list[int]]:
@@ -156,20 +161,24 @@ def main() -> None:
         timed = run()
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                         if args.device == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            profiled = run()
+        prof = None
+        profiled = []
+        if not args.no_profile:
+            with torch.profiler.profile(activities=acts) as prof:
+                profiled = run()
         pre = [ms for k, ms in timed if k == "prefill"]
         dec = [ms for k, ms in timed if k == "decode"]
-        report.append(f"\n==== {mode}: prefill steps {len(pre)} x {sum(pre) / max(1, len(pre)):.1f} ms "
+        report.append(f"\n==== {label}: prefill steps {len(pre)} x {sum(pre) / max(1, len(pre)):.1f} ms "
                       f"({', '.join(f'{x:.0f}' for x in pre)}); decode steps {len(dec)} x "
                       f"{sum(dec) / max(1, len(dec)):.1f} ms; warm-up run {sum(ms for _, ms in warm):.0f} ms; "
                       f"profiled run {sum(ms for _, ms in profiled):.0f} ms (profiler overhead included)")
-        if args.device == "cuda":  # per stream and per kernel, as the steps ran (which stream is the critical path)
-            report += trace_lines(prof, f"{mode} profiled run", len(profiled), args.rows)
-        ka = prof.key_averages()
-        if args.device == "cuda":
-            report.append(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
-        report.append(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+        if prof is not None:
+            if args.device == "cuda":  # per stream and per kernel, as the steps ran
+                report += trace_lines(prof, f"{label} profiled run", len(profiled), args.rows)
+            ka = prof.key_averages()
+            if args.device == "cuda":
+                report.append(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+            report.append(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
         if args.sync_sites and args.device == "cuda":
             report.append("host synchronisations (count, innermost project frames):")
             report += [f"  {n:5d}  {w}" for n, w in sync_sites(run)]

@@ -59,3 +59,24 @@ def test_fused_selection_kernel_equals_its_reference_in_the_engine(tiny, mode):
                      st["fetched_blocks_per_step"], st["deferred_blocks_per_step"]))
     assert runs[0] == runs[1]
     assert runs[0][2] > 0  # blocks were admitted (this tiny model's selections never defer: measured 0)
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_copy_engine_prefill_equals_the_uva_kernels(tiny, tier):
+    """Prefill chunks of 29 tokens (block 16: prefixes read back mid-block) with the pool's prefill traffic by the
+    copy engines and by the UVA kernels (copy_engine_prefill=False): the same tokens and traffic, with a budget
+    of 4 blocks; with ``tier``, a host pool of 3 blocks and the rest of the full KV in the device tier."""
+    probe = LLM(tiny, device="cuda", dtype="float32", mode="oasiskv", top_k_blocks=4, host_kv_bytes=HOST)
+    bb = probe.engine.block_bytes
+    del probe
+    pools = dict(host_kv_bytes=3 * bb, device_tier=True, kv_cache_bytes=400 * bb) if tier else \
+        dict(host_kv_bytes=HOST)
+    runs = []
+    for ce in (True, False):
+        llm = LLM(tiny, device="cuda", dtype="float32", mode="oasiskv", top_k_blocks=4, fetch_ratio=0.25,
+                  max_num_batched_tokens=29, copy_engine_prefill=ce, **pools)
+        outs = llm.generate(PROMPTS, GREEDY)
+        st = llm.engine.run_stats()
+        runs.append(([o.token_ids for o in outs], st["fetched_blocks_per_step"], st["peak_device_tier_bytes"] > 0))
+    assert runs[0] == runs[1]
+    assert runs[0][2] == tier

@@ -38,6 +38,11 @@ from oasiskv_runtime.ops.uva_gather import (PoolTier, uva_gather, uva_gather_blo
 from oasiskv_runtime.sparse.selector_torch import select_rows
 from oasiskv_runtime.sparse.stats import SparseStats
 from oasiskv_runtime.transfer.engine import SyncTransferEngine, TransferPlan
+from oasiskv_runtime.transfer.runs import copy_runs, pool_runs
+
+MAX_COPY_RUNS = 64
+"""A prefill sequence whose pool rows fall in more runs than this is read and written by the UVA kernels (each
+run costs two ``cudaMemcpyAsync`` calls per layer on the host)."""
 
 
 def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
@@ -103,6 +108,13 @@ class SparseAttention:
             """Most blocks fetched in one step (the host counter cannot see the device's per-step counts)."""
             self.dev_total_before = torch.zeros((), dtype=torch.long, device=device)
             self.dev_req_fetched = torch.zeros(max_rows, dtype=torch.long, device=device)
+            self.pool_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            """Prefill traffic of the pool by copy engines (``copy_engine_prefill``): reads, writes."""
+        self._copy_reads: dict[int, tuple[list, int, int]] = {}
+        self._copy_writes: list = []
+        self._read_bufs: dict[int, tuple] = {}
+        self._kernel_write_rows: torch.Tensor | None = None
+        self._write_event = None
         self.remote = None
         """Prefill-decode, decode side: ``oasiskv_runtime.pd.remote.RemoteKV``; host blocks it marks absent
         are read from the prefill peer before they are copied to the device (a cache miss)."""
@@ -247,6 +259,8 @@ class SparseAttention:
         for s in meta.seqs:
             if s.seq_id in self.pending_prefix:
                 self._write_summaries(s.seq_id, *self.pending_prefix.pop(s.seq_id))
+        self._copy_reads, self._copy_writes, self._read_bufs = {}, [], {}
+        self._kernel_write_rows, self._write_event = None, None
         static = meta.extra.get("static")
         if static is not None:
             self._bind_static(meta, static)
@@ -260,6 +274,80 @@ class SparseAttention:
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
         self.batch = self._decode_batch(decode) if decode else None
         self.stats.begin_step(len(decode))
+        if self._prefill and self.async_pipeline and self.cfg.copy_engine_prefill and self.device_prefill is not False:
+            self._plan_pool_copies(meta)
+
+    # ---- prefill traffic of the pool by copy engines (SparseConfig.copy_engine_prefill) -------------------
+    def _plan_pool_copies(self, meta: StepMetadata) -> None:
+        """This step's pool rows of each prefill sequence as runs (:func:`pool_runs`): the chunk's own rows to
+        write, its prefix to read back; rows of decode requests, and of sequences in too many runs, stay with the
+        kernels (``_kernel_write_rows``). Layer 0's reads are issued here."""
+        bs, tf = self.bs, self.kv.tier_first
+        kernel_rows = [s.query_start for s in meta.seqs if s.seq_id in self._decode_ids]
+        for s in self._prefill:
+            prefix = s.context_len - s.num_query
+            writes = pool_runs(s.block_table, prefix, s.num_query, s.query_start, bs, tf)
+            if len(writes) <= MAX_COPY_RUNS:
+                self._copy_writes += writes
+            else:
+                kernel_rows += range(s.query_start, s.query_start + s.num_query)
+            if prefix:
+                reads = pool_runs(s.block_table, 0, prefix, 0, bs, tf)
+                if len(reads) <= MAX_COPY_RUNS:
+                    self._copy_reads[s.seq_id] = (reads, prefix, s.context_len)
+        if not self._copy_writes:  # reads alone would need the streams joined too: keep the kernels for both
+            self._copy_reads = {}
+            return
+        self._kernel_write_rows = host_list_to(sorted(kernel_rows), torch.long, meta.slot_mapping.device)
+        # Both side streams start after everything before this step (the previous step ended joined with them).
+        cur = torch.cuda.current_stream(self.device)
+        for st in self.pool_streams:
+            st.wait_stream(cur)
+        self._issue_reads(0)
+
+    def _pool_parts(self, layer: int) -> tuple[tuple, tuple | None]:
+        tier = self._tier(layer)
+        return (self.host_cache.k[layer], self.host_cache.v[layer]), (None if tier is None else tier[:2])
+
+    def _issue_reads(self, layer: int) -> None:
+        """Read layer ``layer``'s prefixes into fresh buffers on the read stream (once per layer and step)."""
+        if layer >= self.num_layers or layer in self._read_bufs or not self._copy_reads:
+            return
+        pool, tier = self._pool_parts(layer)
+        shape, dt = (self.hkv, self.head_dim), self.host_cache.k[layer].dtype
+        bufs = {}
+        rs = self.pool_streams[0]
+        with torch.cuda.stream(rs):
+            for seq_id, (runs, _, ctx) in self._copy_reads.items():
+                buf = (torch.empty((ctx, *shape), dtype=dt, device=self.device),
+                       torch.empty((ctx, *shape), dtype=dt, device=self.device))
+                copy_runs(runs, pool, tier, buf, to_pool=False)
+                bufs[seq_id] = buf
+            self._read_bufs[layer] = (rs.record_event(), bufs)
+
+    def _write_pool(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This layer's new KV into the pool: prefill runs by the copy engine on the write stream, the rest (decode
+        rows, sequences in too many runs) by the scatter kernel on this stream."""
+        ws = self.pool_streams[1]
+        ws.wait_stream(torch.cuda.current_stream(self.device))
+        pool, tier = self._pool_parts(layer)
+        with torch.cuda.stream(ws):
+            copy_runs(self._copy_writes, pool, tier, (k, v), to_pool=True)
+            self._write_event = ws.record_event()
+        k.record_stream(ws)
+        v.record_stream(ws)
+        rows = self._kernel_write_rows
+        if rows.numel():
+            uva_scatter_rows(k[rows], v[rows], pool[0], pool[1], self.meta.slot_mapping[rows],
+                             tier=self._tier(layer))
+
+    def _pool_join(self) -> None:
+        """The current stream waits for the side streams' copies (before the pool is read on it, and at the end
+        of the step)."""
+        if self._copy_writes:
+            cur = torch.cuda.current_stream(self.device)
+            for st in self.pool_streams:
+                cur.wait_stream(st)
 
     # ---- the static layout of decode-only steps (engine/cuda_graphs.py) ------------------------------
     def graph_unsupported(self) -> str | None:
@@ -401,7 +489,9 @@ class SparseAttention:
     # ---- the layer --------------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, w = self.meta, self._written
-        if self.mode.uses_host_pool and (k.is_cuda or self.kv.tier_first is not None):
+        if self._copy_writes:
+            self._write_pool(layer, k, v)
+        elif self.mode.uses_host_pool and (k.is_cuda or self.kv.tier_first is not None):
             uva_scatter_rows(k[w], v[w], self.host_cache.k[layer], self.host_cache.v[layer], meta.slot_mapping[w],
                              tier=self._tier(layer))
         else:
@@ -416,6 +506,7 @@ class SparseAttention:
         elif self._sum_rows.numel():  # decode rows only: one token per summary row
             update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer],
                              assume_distinct=True)
+        self._issue_reads(layer + 1)  # the next layer's prefixes, while this one computes
         out = torch.empty_like(q)
         dense_layer = layer in self.dense_layers
         for s in self._prefill + (b.slices if (b is not None and dense_layer) else []):
@@ -456,6 +547,15 @@ class SparseAttention:
         """[context_len, Hkv, D] keys and values of ``s``: the tokens before this step's rows read from the
         primary store, then this step's rows ``kc``/``vc`` (already on the device: not read back)."""
         prefix = s.context_len - s.num_query
+        read = self._read_bufs.get(layer)
+        if read is not None and s.seq_id in read[1]:  # read ahead by the copy engine
+            torch.cuda.current_stream(self.device).wait_event(read[0])
+            ks, vs = read[1].pop(s.seq_id)
+            ks.record_stream(torch.cuda.current_stream(self.device))
+            vs.record_stream(torch.cuda.current_stream(self.device))
+            ks[prefix:] = kc
+            vs[prefix:] = vc
+            return ks, vs
         memo = self._step_cache()
         key = ("ctx", s.seq_id)
         blocks = memo.get(key)
@@ -691,6 +791,8 @@ class SparseAttention:
             return
         if not self.mode.uses_host_pool:
             return
+        if self._write_event is not None:  # the chunk's rows must be in the pool before the first fill reads them
+            torch.cuda.current_stream(self.device).wait_event(self._write_event)
         fake = self._finished_prefill_batch(done)
         rows = fake.state_rows
         pred = self._predict(layer, q[fake.q_rows], fake, next_step=True)
@@ -721,6 +823,8 @@ class SparseAttention:
                     self._row(s.seq_id)
                     self.ready.add(s.seq_id)
         self.stats.end_step()
+        self._pool_join()
+        self._read_bufs = {}
         if self.async_pipeline:
             # On the transfer stream, which counts the fetches eagerly, after the current stream too (a graph
             # replay counts them there): ordered after this step's fetches, no host sync.

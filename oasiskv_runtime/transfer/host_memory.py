@@ -7,9 +7,10 @@ of exactly the bytes asked for, its pages touched by a multi-threaded fill, then
 ``cudaHostRegister`` (so the GPU reads it zero-copy, like ``cudaHostAlloc`` memory). The registration is undone
 when the region is collected; the tensors carved from it keep the memory itself alive.
 
-Before the fill the region is marked ``MADV_HUGEPAGE`` (``huge_pages``): with transparent huge pages in
-``madvise`` mode (the default on our hosts) the pool is otherwise made of 4 KiB pages, and every GPU read of a
-block anywhere in a 100 GiB pool goes through a page translation of its own.
+``huge_pages`` marks the region ``MADV_HUGEPAGE`` before the fill (with transparent huge pages in ``madvise``
+mode, the default on our hosts, the pool is otherwise 4 KiB pages). Off by default: on the H200 host the GPU's
+UVA reads ran at the same 42-50 GB/s from a 64 GiB pool of either page size and from a 2 GiB one
+(``bench/pool_bandwidth.py``, bench/NOTES.md), so page translation is not what limits the pool's reads.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class PinnedRegion:
     #: Host memory left to the process and the OS beyond the pool: a pool that leaves less is refused.
     reserve_bytes = 4 << 30
 
-    def __init__(self, nbytes: int, huge_pages: bool = True) -> None:
+    def __init__(self, nbytes: int, huge_pages: bool = False) -> None:
         nbytes = int(nbytes)
         avail = available_host_bytes()
         if avail is not None and nbytes + self.reserve_bytes > avail:
