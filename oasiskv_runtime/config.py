@@ -218,11 +218,13 @@ class SparseConfig:
     """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
     leave the SMs to the step's own kernels while the copies stream over PCIe."""
 
-    copy_engine_prefill: bool = True
+    copy_engine_prefill: bool = False
     """Host-pool modes on CUDA: a prefill chunk's KV goes to the pool, and its prefix comes back from it, by
     ``cudaMemcpyAsync`` over runs of consecutive pool rows on two side streams (the copy engines, beside the
     step's compute; the reads one layer ahead), instead of UVA kernels on the SMs in the step's critical path.
-    Sequences whose rows fall in too many runs keep the kernels. False: the kernels always (A/B benchmarks)."""
+    Sequences whose rows fall in too many runs keep the kernels. Off by default: written and checked on the CPU
+    (the runs against the kernels' references), NOT yet run on a GPU; ``tests/test_gpu_engine.py`` and
+    ``bench/profile_prefill.py --ab copy_engine_prefill`` are its GPU test and A/B."""
 
     select_kernel: bool = True
     """The prefetch pipeline's selection and transfer plan as one fused kernel per layer (GPU kernels only;
