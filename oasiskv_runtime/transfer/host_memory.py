@@ -34,16 +34,21 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo (None where there is no such file)."""
+def _meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field in bytes (None where there is no such file or field)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo (None where there is no such file)."""
+    return _meminfo_bytes("MemAvailable")
 
 
 def advise_huge_pages(ptr: int, nbytes: int) -> bool:
@@ -63,14 +68,7 @@ def advise_huge_pages(ptr: int, nbytes: int) -> bool:
 
 def huge_page_bytes() -> int | None:
     """``AnonHugePages`` from /proc/meminfo (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _meminfo_bytes("AnonHugePages")
 
 
 def _unregister(ptr: int) -> None:
