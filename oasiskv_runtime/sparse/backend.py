@@ -274,7 +274,8 @@ class SparseAttention:
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
         self.batch = self._decode_batch(decode) if decode else None
         self.stats.begin_step(len(decode))
-        if self._prefill and self.async_pipeline and self.cfg.copy_engine_prefill and self.device_prefill is not False:
+        copy_engines = self.async_pipeline and self.cfg.copy_engine_prefill and self.device_prefill is not False
+        if self._prefill and copy_engines:
             self._plan_pool_copies(meta)
 
     # ---- prefill traffic of the pool by copy engines (SparseConfig.copy_engine_prefill) -------------------
@@ -342,8 +343,8 @@ class SparseAttention:
                              tier=self._tier(layer))
 
     def _pool_join(self) -> None:
-        """The current stream waits for the side streams' copies (before the pool is read on it, and at the end
-        of the step)."""
+        """At the end of a step that used the copy streams: the current stream waits for their copies, so the next
+        step (and anything forked from its stream) sees the pool written."""
         if self._copy_writes:
             cur = torch.cuda.current_stream(self.device)
             for st in self.pool_streams:
