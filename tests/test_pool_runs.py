@@ -54,3 +54,42 @@ def test_a_tier_run_without_a_tier_is_an_error():
     t = torch.zeros(2, 4, 1, 1)
     with pytest.raises(ValueError, match="tier"):
         copy_runs([PoolRun(True, 0, 0, 1)], (t, t), None, (t.view(-1, 1, 1), t.view(-1, 1, 1)), to_pool=False)
+
+
+# ---- the engine: the copy-engine path's data flow on the CPU (streams are no-ops there) ----------------------
+PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 9, [300, 12] * 20, list(range(40, 40 + 77)), [3, 4, 5, 6] * 5]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import write_tiny
+
+    return str(write_tiny(tmp_path_factory.mktemp("runs"), "qwen3", max_position_embeddings=4096))
+
+
+@pytest.mark.parametrize("mode,tier", [("proxy-prefetch", False), ("oasiskv", False), ("oasiskv", True)])
+def test_engine_copy_path_equals_the_kernel_path_on_cpu(tiny, mode, tier, monkeypatch):
+    """The device prefill path (13-token chunks, block 4: prefixes end mid-block, prompts end mid-block, decode
+    rows share steps with chunks) with the pool's prefill traffic planned as runs and copied, against the same
+    path through the UVA kernels' references: same tokens, same traffic; with ``tier``, a host pool of 6 blocks."""
+    from oasiskv_runtime import LLM, SamplingParams
+    import oasiskv_runtime.sparse.backend as backend
+
+    calls = []
+    real = backend.copy_runs
+    monkeypatch.setattr(backend, "copy_runs", lambda runs, *a, **k: (calls.append(len(runs)), real(runs, *a, **k)))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    bb = LLM(tiny, mode=mode, block_size=4, top_k_blocks=2).engine.block_bytes
+    pools = dict(host_kv_bytes=6 * bb, device_tier=True, kv_cache_bytes=400 * bb) if tier else {}
+    out = []
+    for on in (True, False):
+        llm = LLM(tiny, mode=mode, block_size=4, top_k_blocks=2, fetch_ratio=0.5, max_num_batched_tokens=13,
+                  copy_engine_prefill=on, **pools)
+        llm.engine.backend.device_prefill = True
+        n = len(calls)
+        outs = llm.generate(PROMPTS, greedy)
+        used = len(calls) - n
+        st = llm.engine.run_stats()
+        out.append(([o.token_ids for o in outs], st["fetched_blocks_per_step"], st["peak_device_tier_bytes"] > 0))
+        assert (used > 0) == on
+    assert out[0] == out[1] and out[0][2] == tier

@@ -108,8 +108,9 @@ class SparseAttention:
             """Most blocks fetched in one step (the host counter cannot see the device's per-step counts)."""
             self.dev_total_before = torch.zeros((), dtype=torch.long, device=device)
             self.dev_req_fetched = torch.zeros(max_rows, dtype=torch.long, device=device)
-            self.pool_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            """Prefill traffic of the pool by copy engines (``copy_engine_prefill``): reads, writes."""
+        self.pool_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.async_pipeline else None
+        """Prefill traffic of the pool by copy engines (``copy_engine_prefill``): reads, writes. None on the CPU,
+        where the same copies run in order (the path's data flow is tested there)."""
         self._copy_reads: dict[int, tuple[list, int, int]] = {}
         self._copy_writes: list = []
         self._read_bufs: dict[int, tuple] = {}
@@ -274,7 +275,9 @@ class SparseAttention:
         self._prefill = [s for s in meta.seqs if s.seq_id not in self._decode_ids]
         self.batch = self._decode_batch(decode) if decode else None
         self.stats.begin_step(len(decode))
-        copy_engines = self.async_pipeline and self.cfg.copy_engine_prefill and self.device_prefill is not False
+        device_path = self.device_prefill if self.device_prefill is not None else self.device.type == "cuda"
+        copy_engines = (self.cfg.copy_engine_prefill and self.mode.uses_host_pool and device_path
+                        and (self.async_pipeline or self.device.type == "cpu"))
         if self._prefill and copy_engines:
             self._plan_pool_copies(meta)
 
@@ -301,10 +304,25 @@ class SparseAttention:
             return
         self._kernel_write_rows = host_list_to(sorted(kernel_rows), torch.long, meta.slot_mapping.device)
         # Both side streams start after everything before this step (the previous step ended joined with them).
-        cur = torch.cuda.current_stream(self.device)
-        for st in self.pool_streams:
-            st.wait_stream(cur)
+        for st in self.pool_streams or ():
+            st.wait_stream(torch.cuda.current_stream(self.device))
         self._issue_reads(0)
+
+    def _on_side(self, i: int):
+        """Work on side stream ``i`` (0: pool reads, 1: pool writes); in order on the CPU."""
+        return torch.cuda.stream(self.pool_streams[i]) if self.pool_streams else contextlib.nullcontext()
+
+    def _side_event(self, i: int):
+        return self.pool_streams[i].record_event() if self.pool_streams else None
+
+    def _wait_side(self, event, *tensors: torch.Tensor) -> None:
+        """The current stream waits for ``event`` of a side stream and takes over ``tensors`` made there."""
+        if event is None:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_event(event)
+        for t in tensors:
+            t.record_stream(cur)
 
     def _pool_parts(self, layer: int) -> tuple[tuple, tuple | None]:
         tier = self._tier(layer)
@@ -317,26 +335,26 @@ class SparseAttention:
         pool, tier = self._pool_parts(layer)
         shape, dt = (self.hkv, self.head_dim), self.host_cache.k[layer].dtype
         bufs = {}
-        rs = self.pool_streams[0]
-        with torch.cuda.stream(rs):
+        with self._on_side(0):
             for seq_id, (runs, _, ctx) in self._copy_reads.items():
                 buf = (torch.empty((ctx, *shape), dtype=dt, device=self.device),
                        torch.empty((ctx, *shape), dtype=dt, device=self.device))
                 copy_runs(runs, pool, tier, buf, to_pool=False)
                 bufs[seq_id] = buf
-            self._read_bufs[layer] = (rs.record_event(), bufs)
+            self._read_bufs[layer] = (self._side_event(0), bufs)
 
     def _write_pool(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """This layer's new KV into the pool: prefill runs by the copy engine on the write stream, the rest (decode
         rows, sequences in too many runs) by the scatter kernel on this stream."""
-        ws = self.pool_streams[1]
-        ws.wait_stream(torch.cuda.current_stream(self.device))
         pool, tier = self._pool_parts(layer)
-        with torch.cuda.stream(ws):
+        if self.pool_streams:
+            ws = self.pool_streams[1]
+            ws.wait_stream(torch.cuda.current_stream(self.device))
+            k.record_stream(ws)  # read there: kept until the copies are done
+            v.record_stream(ws)
+        with self._on_side(1):
             copy_runs(self._copy_writes, pool, tier, (k, v), to_pool=True)
-            self._write_event = ws.record_event()
-        k.record_stream(ws)
-        v.record_stream(ws)
+            self._write_event = self._side_event(1)
         rows = self._kernel_write_rows
         if rows.numel():
             uva_scatter_rows(k[rows], v[rows], pool[0], pool[1], self.meta.slot_mapping[rows],
@@ -345,7 +363,7 @@ class SparseAttention:
     def _pool_join(self) -> None:
         """At the end of a step that used the copy streams: the current stream waits for their copies, so the next
         step (and anything forked from its stream) sees the pool written."""
-        if self._copy_writes:
+        if self._copy_writes and self.pool_streams:
             cur = torch.cuda.current_stream(self.device)
             for st in self.pool_streams:
                 cur.wait_stream(st)
@@ -550,10 +568,8 @@ class SparseAttention:
         prefix = s.context_len - s.num_query
         read = self._read_bufs.get(layer)
         if read is not None and s.seq_id in read[1]:  # read ahead by the copy engine
-            torch.cuda.current_stream(self.device).wait_event(read[0])
             ks, vs = read[1].pop(s.seq_id)
-            ks.record_stream(torch.cuda.current_stream(self.device))
-            vs.record_stream(torch.cuda.current_stream(self.device))
+            self._wait_side(read[0], ks, vs)
             ks[prefix:] = kc
             vs[prefix:] = vc
             return ks, vs
@@ -792,8 +808,7 @@ class SparseAttention:
             return
         if not self.mode.uses_host_pool:
             return
-        if self._write_event is not None:  # the chunk's rows must be in the pool before the first fill reads them
-            torch.cuda.current_stream(self.device).wait_event(self._write_event)
+        self._wait_side(self._write_event)  # the chunk's rows must be in the pool before the first fill reads them
         fake = self._finished_prefill_batch(done)
         rows = fake.state_rows
         pred = self._predict(layer, q[fake.q_rows], fake, next_step=True)
