@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -20,6 +21,26 @@ def loads(loader: Callable[[], object]) -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure means "use the reference"
         return False
+
+
+def lazy_kernels(module_globals: dict) -> Callable:
+    """Decorator for an op module's kernel builder. On the first call: import Triton, bind ``triton`` and ``tl``
+    in the module (its ``@triton.jit`` kernels resolve ``tl`` there), run the builder and keep what it returns;
+    later calls return that. An import or build error propagates and nothing is kept (see :func:`loads`)."""
+    def wrap(build: Callable[[], object]) -> Callable[[], object]:
+        built: list = []
+
+        @functools.wraps(build)
+        def kernels():
+            if not built:
+                import triton
+                import triton.language as tl
+
+                module_globals["triton"], module_globals["tl"] = triton, tl
+                built.append(build())
+            return built[0]
+        return kernels
+    return wrap
 
 
 def host_list_to(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

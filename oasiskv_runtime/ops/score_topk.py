@@ -42,14 +42,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from oasiskv_runtime.ops.common import loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
 
 __all__ = ["score_topk", "score_topk_ref", "quest_scores_ref", "quest_scores", "select_topk",
            "select_topk_triton"]
 
 triton = None
 tl = None
-_KERNELS = None
 
 
 _next_pow2 = next_pow2
@@ -130,13 +129,8 @@ def score_topk_ref(q, sum_min, sum_max, summary_block_table, num_candidates, k, 
     return select_topk(s, num_candidates, k)
 
 
+@lazy_kernels(globals())
 def _kernels():
-    global _KERNELS, triton, tl
-    if _KERNELS is not None:
-        return _KERNELS
-    import triton as _triton
-    import triton.language as _tl
-    triton, tl = _triton, _tl
 
     @triton.jit
     def _quest_score_kernel(
@@ -197,8 +191,7 @@ def _kernels():
         tl.store(OUT + b.to(tl.int64) * s_ob + h * s_oh + p, ids, mask=p < k)
 
     from types import SimpleNamespace
-    _KERNELS = SimpleNamespace(score=_quest_score_kernel, rank=_rank_topk_kernel)
-    return _KERNELS
+    return SimpleNamespace(score=_quest_score_kernel, rank=_rank_topk_kernel)
 
 
 def _triton_available() -> bool:

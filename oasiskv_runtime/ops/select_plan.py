@@ -31,14 +31,13 @@ from types import SimpleNamespace
 
 import torch
 
-from oasiskv_runtime.ops.common import loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
 from oasiskv_runtime.sparse.selector_torch import select_rows
 
 __all__ = ["select_plan", "select_plan_ref"]
 
 triton = None
 tl = None
-_KERNELS = None
 
 
 def _check(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor,
@@ -79,13 +78,8 @@ def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.
     return src.flatten(), dst.flatten(), hidx.flatten()
 
 
+@lazy_kernels(globals())
 def _kernels():
-    global _KERNELS, triton, tl
-    if _KERNELS is not None:
-        return _KERNELS
-    import triton as _triton
-    import triton.language as _tl
-    triton, tl = _triton, _tl
 
     @triton.jit
     def _select_plan_kernel(MAP, LS, ROWS, PRED, STEP, PRIM, SLOTB, SRC, DST, HEAD, FETCHED, DEFERRED, REQ,
@@ -152,8 +146,7 @@ def _kernels():
             tl.atomic_add(DEFERRED, (num_missing - n_admit).to(tl.int64))
             tl.atomic_add(REQ + row, n_admit.to(tl.int64))
 
-    _KERNELS = SimpleNamespace(select_plan=_select_plan_kernel)
-    return _KERNELS
+    return SimpleNamespace(select_plan=_select_plan_kernel)
 
 
 def _triton_available() -> bool:

@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from oasiskv_runtime.ops.common import loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
 
 __all__ = [
     "sparse_decode_attention",
@@ -56,7 +56,6 @@ __all__ = [
 
 triton = None  # set by _kernels()
 tl = None
-_KERNELS = None
 
 
 _next_pow2 = next_pow2
@@ -141,13 +140,8 @@ def sparse_decode_attention_ref(
 # --------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------
+@lazy_kernels(globals())
 def _kernels():
-    global _KERNELS, triton, tl
-    if _KERNELS is not None:
-        return _KERNELS
-    import triton as _triton
-    import triton.language as _tl
-    triton, tl = _triton, _tl
 
     @triton.jit
     def _sparse_attn_fwd(
@@ -270,8 +264,7 @@ def _kernels():
                  mask=d_ok)
 
     from types import SimpleNamespace
-    _KERNELS = SimpleNamespace(fwd=_sparse_attn_fwd, merge=_sparse_attn_merge)
-    return _KERNELS
+    return SimpleNamespace(fwd=_sparse_attn_fwd, merge=_sparse_attn_merge)
 
 
 def _triton_available() -> bool:

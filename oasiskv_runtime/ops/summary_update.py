@@ -31,14 +31,13 @@ from typing import Optional
 
 import torch
 
-from oasiskv_runtime.ops.common import loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
 
 __all__ = ["update_summaries", "update_summaries_ref", "update_summaries_grouped", "update_summaries_runs",
            "token_runs"]
 
 triton = None
 tl = None
-_KERNELS = None
 
 
 _next_pow2 = next_pow2
@@ -182,13 +181,8 @@ def update_summaries_runs(k_new: torch.Tensor, pad_idx: torch.Tensor, run_rows: 
     fmax.index_copy_(0, run_rows, torch.where(fresh, cur, torch.maximum(fmax.index_select(0, run_rows), cur)))
 
 
+@lazy_kernels(globals())
 def _kernels():
-    global _KERNELS, triton, tl
-    if _KERNELS is not None:
-        return _KERNELS
-    import triton as _triton
-    import triton.language as _tl
-    triton, tl = _triton, _tl
 
     @triton.jit
     def _summary_update_kernel(KNEW, ROWS, RESET, SMIN, SMAX, s_kt, s_kh, HD,
@@ -209,8 +203,7 @@ def _kernels():
         tl.store(SMAX + r * HD + off, new_mx, mask=ok)
 
     from types import SimpleNamespace
-    _KERNELS = SimpleNamespace(update=_summary_update_kernel)
-    return _KERNELS
+    return SimpleNamespace(update=_summary_update_kernel)
 
 
 def _triton_available() -> bool:

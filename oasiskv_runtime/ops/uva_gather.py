@@ -52,14 +52,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from oasiskv_runtime.config import GATHER_CTAS
-from oasiskv_runtime.ops.common import loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
 
 __all__ = ["PoolTier", "uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
            "uva_scatter_rows", "uva_scatter_rows_ref", "build_cuda_extension"]
 
 triton = None
 tl = None
-_KERNELS = None
 _CUDA_LIB = None
 _LOCK = threading.Lock()
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
@@ -147,13 +146,8 @@ class _MappedPtr:
         return self.tensor.data_ptr()
 
 
+@lazy_kernels(globals())
 def _kernels():
-    global _KERNELS, triton, tl
-    if _KERNELS is not None:
-        return _KERNELS
-    import triton as _triton
-    import triton.language as _tl
-    triton, tl = _triton, _tl
 
     @triton.jit
     def _uva_gather_kernel(HK, HV, DK, DV, SRC, DST, HEADS, n, programs,
@@ -200,8 +194,7 @@ def _kernels():
             tl.store(HV + d * W + c, tl.load(SRC_V + s * W + c, mask=mm), mask=mm)
 
     from types import SimpleNamespace
-    _KERNELS = SimpleNamespace(gather=_uva_gather_kernel, scatter=_uva_scatter_kernel)
-    return _KERNELS
+    return SimpleNamespace(gather=_uva_gather_kernel, scatter=_uva_scatter_kernel)
 
 
 def _triton_available() -> bool:
