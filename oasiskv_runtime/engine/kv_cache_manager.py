@@ -40,6 +40,8 @@ class RequestBlocks:
     ws_blocks: list[int] = field(default_factory=list)
     summary_blocks: list[int] = field(default_factory=list)
     num_shared_host: int = 0
+    num_tier: int = 0
+    """How many of ``host_blocks`` are device-tier blocks (counted as they are taken: read every step)."""
     """The first host blocks belong to a prefix cache (prefill-decode, prefill side): never freed here."""
 
     @property
@@ -72,13 +74,14 @@ class KVCacheManager:
             return None
         return over
 
-    def _take_primary(self, n: int) -> list[int]:
+    def _take_primary(self, rb: RequestBlocks, n: int) -> None:
+        """``n`` more full-KV blocks for ``rb``: from the host pool, the rest (device tier) from the device pool."""
         on_host = n if self.tier_first is None else min(n, self.host_pool.num_free)
-        ids = self.host_pool.allocate(on_host)
+        rb.host_blocks += self.host_pool.allocate(on_host)
         if n > on_host:
-            ids += [self.tier_first + b for b in self.device_pool.allocate(n - on_host)]
+            rb.host_blocks += [self.tier_first + b for b in self.device_pool.allocate(n - on_host)]
+            rb.num_tier += n - on_host
             self.tier_blocks_used += n - on_host
-        return ids
 
     def _free_primary(self, ids: list[int]) -> None:
         if self.tier_first is None:
@@ -90,9 +93,7 @@ class KVCacheManager:
         self.tier_blocks_used -= len(tier)
 
     def num_tier_blocks(self, rb: RequestBlocks) -> int:
-        if self.tier_first is None:
-            return 0
-        return sum(1 for b in rb.host_blocks if b >= self.tier_first)
+        return rb.num_tier
 
     def num_ws_slots(self, max_len: int) -> int:
         """Selection slots per request: always ``top_k_blocks`` (uniform shapes let one batched selection and
@@ -190,7 +191,7 @@ class KVCacheManager:
                 del self.requests[seq.seq_id]
             return False
         if self.mode.uses_host_pool:
-            rb.host_blocks += self._take_primary(need_host)
+            self._take_primary(rb, need_host)
             if not rb.ws_blocks:
                 n_ws = self.num_ws_slots(self.max_len(seq)) + 1
                 rb.ws_blocks = self.device_pool.allocate(n_ws)
@@ -227,7 +228,7 @@ class KVCacheManager:
         rb = self.requests.get(seq.seq_id)
         if rb is None:
             return []
-        blocks, rb.host_blocks = rb.host_blocks, []
+        blocks, rb.host_blocks, rb.num_tier = rb.host_blocks, [], 0
         return blocks
 
     def free_host_blocks(self, blocks: list[int]) -> None:
