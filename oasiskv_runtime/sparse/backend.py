@@ -111,7 +111,8 @@ class SparseAttention:
         self.pool_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.async_pipeline else None
         """Prefill traffic of the pool by copy engines (``copy_engine_prefill``): reads, writes. None on the CPU,
         where the same copies run in order (the path's data flow is tested there)."""
-        self._copy_reads: dict[int, tuple[list, int, int]] = {}
+        self._copy_reads: dict[int, tuple[list, int]] = {}
+        """Prefill sequences whose prefix the read stream brings back: seq id -> (runs, context length)."""
         self._copy_writes: list = []
         self._read_bufs: dict[int, tuple] = {}
         self._kernel_write_rows: torch.Tensor | None = None
@@ -298,7 +299,7 @@ class SparseAttention:
             if prefix:
                 reads = pool_runs(s.block_table, 0, prefix, 0, bs, tf)
                 if len(reads) <= MAX_COPY_RUNS:
-                    self._copy_reads[s.seq_id] = (reads, prefix, s.context_len)
+                    self._copy_reads[s.seq_id] = (reads, s.context_len)
         if not self._copy_writes:  # reads alone would need the streams joined too: keep the kernels for both
             self._copy_reads = {}
             return
@@ -336,7 +337,7 @@ class SparseAttention:
         shape, dt = (self.hkv, self.head_dim), self.host_cache.k[layer].dtype
         bufs = {}
         with self._on_side(0):
-            for seq_id, (runs, _, ctx) in self._copy_reads.items():
+            for seq_id, (runs, ctx) in self._copy_reads.items():
                 buf = (torch.empty((ctx, *shape), dtype=dt, device=self.device),
                        torch.empty((ctx, *shape), dtype=dt, device=self.device))
                 copy_runs(runs, pool, tier, buf, to_pool=False)
