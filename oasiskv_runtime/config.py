@@ -218,13 +218,14 @@ class SparseConfig:
     """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
     leave the SMs to the step's own kernels while the copies stream over PCIe."""
 
-    copy_engine_prefill: bool = False
+    copy_engine_prefill: bool = True
     """Host-pool modes on CUDA: a prefill chunk's KV goes to the pool, and its prefix comes back from it, by
     ``cudaMemcpyAsync`` over runs of consecutive pool rows on two side streams (the copy engines, beside the
     step's compute; the reads one layer ahead), instead of UVA kernels on the SMs in the step's critical path.
-    Sequences whose rows fall in too many runs keep the kernels. Off by default: written and checked on the CPU
-    (the runs against the kernels' references), NOT yet run on a GPU; ``tests/test_gpu_engine.py`` and
-    ``bench/profile_prefill.py --ab copy_engine_prefill`` are its GPU test and A/B."""
+    Sequences whose rows fall in too many runs keep the kernels. False: the UVA kernels (for A/B runs). On an
+    H200 (Qwen3-8B shapes, 32K prompts in 8K chunks beside 28 decoding requests) prefill-carrying steps took
+    483.8 ms with it against 524.2 without (``bench/profile_prefill.py --ab copy_engine_prefill``, bench/NOTES.md);
+    ``tests/test_gpu_engine.py`` checks both give the same tokens and traffic."""
 
     select_kernel: bool = True
     """The prefetch pipeline's selection and transfer plan as one fused kernel per layer (GPU kernels only;
