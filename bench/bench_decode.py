@@ -232,6 +232,9 @@ def main() -> None:
     ap.add_argument("--select-kernel", default="",
                     help="compare the fused selection + plan kernel (1) with its PyTorch composition (0) per point "
                          "in oasiskv / fetch-on-demand, e.g. 1,0; default: the engine's")
+    ap.add_argument("--fused-norm-rope", default="",
+                    help="compare RMSNorm and q/k norm + rotary as one kernel each (1) with their PyTorch composition "
+                         "(0) per point, in every mode, e.g. 1,0; default: the engine's")
     ap.add_argument("--trace", default="",
                     help="append, per point run with graphs, a summary of a torch.profiler trace of steps as they "
                          "run (graph replays included: busy vs idle GPU time, kernels per stream) to this file")
@@ -243,6 +246,7 @@ def main() -> None:
     select_list = [bool(int(x)) for x in args.select_kernel.split(",")] if args.select_kernel else [None]
     variants = [{k: v for k, v in (("gather_ctas", g), ("select_kernel", sk)) if v is not None}
                 for g in gather_list for sk in select_list]
+    fused_list = [bool(int(x)) for x in args.fused_norm_rope.split(",")] if args.fused_norm_rope else [None]
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
                "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "points": [], "sweep": []}
@@ -261,11 +265,16 @@ def main() -> None:
         gathering = mode in ("oasiskv", "fetch-on-demand")  # the modes whose steps run the UVA gather
         for ctx in [int(x) for x in args.context.split(",")]:
             for batch in args.batch_list:
-                for setting, variant in ((s_, v_) for s_ in graph_settings for v_ in (variants if gathering else [{}])):
+                for setting, variant, fused in ((s_, v_, f_) for s_ in graph_settings
+                                                for v_ in (variants if gathering else [{}]) for f_ in fused_list):
                     eng.runner.graphs = graphs if setting == "auto" else None
                     point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting, **variant}
                     if variant:
                         eng.backend.cfg = replace(eng.backend.cfg, **variant)
+                    if fused is not None:  # a graph key includes it: each setting is captured on its own
+                        sched_cfg = replace(eng.runner.config.scheduler, fused_norm_rope=fused)
+                        eng.runner.config = replace(eng.runner.config, scheduler=sched_cfg)
+                        point["fused_norm_rope"] = fused
                     try:
                         place_requests(eng, batch, ctx, gen)
                         if hasattr(eng.backend, "reset_counters"):

@@ -48,6 +48,8 @@ r = json.load(open(sys.argv[1]))
 rows = {}
 for p in r["points"]:
     variant = f"{p.get('gather_ctas', '-')}/{int(p['select_kernel']) if 'select_kernel' in p else '-'}"
+    if "fused_norm_rope" in p:
+        variant += f"/f{int(p['fused_norm_rope'])}"
     rows.setdefault((p["mode"], variant, p["context"], p["batch"]), {})[p["cuda_graphs"]] = p
 print(f"{'mode':20} {'grid/sel':>8} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replays':>7}"
       f" {'MB/step':>8}  note")

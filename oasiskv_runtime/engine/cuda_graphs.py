@@ -250,7 +250,8 @@ class DecodeGraphs:
             return None
         longest = max(s.seq.num_computed_tokens + 1 for s in decode)
         bucket = min(cdiv(max(1, longest // self.block_size), BLOCK_BUCKET) * BLOCK_BUCKET, self.max_blocks)
-        key = (self.padded_size(len(decode)), bucket, tuple(be.graph_key()))
+        key = (self.padded_size(len(decode)), bucket, tuple(be.graph_key()),
+               self.runner.config.scheduler.fused_norm_rope)  # the model's kernels are baked into a capture
         mixed = len(decode) < len(sched.scheduled)
         if mixed and not getattr(be, "graph_split_mixed", True):
             return None

@@ -93,6 +93,7 @@ class ModelRunner:
         captured) and any prefill chunks of the same step run eagerly after them."""
         drafts = drafts or {}
         sampled: dict[int, int] = {}
+        self.model.use_fused_kernels(self.config.scheduler.fused_norm_rope)  # graphs capture this setting too
         part = self.graphs.plan(sched) if self.graphs is not None else None
         if part is not None:
             decode, key = part

@@ -23,6 +23,17 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
 
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """RMSNorm, and the q/k norm with rotary, as one Triton kernel each where the tensors are on CUDA
+        (``oasiskv_runtime.ops.norm_rope``); off: their plain-PyTorch composition (the reference). Cheap when
+        unchanged: engines that share one model (benchmarks) set it before each step."""
+        if getattr(self, "_fused", None) == enabled:
+            return
+        self._fused = enabled
+        for m in self.modules():
+            if hasattr(m, "fused"):
+                m.fused = enabled
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """input_ids, positions: [T] -> final hidden [T, hidden] and the residual stream after each layer in

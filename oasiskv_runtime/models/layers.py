@@ -14,6 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from oasiskv_runtime.config import ModelConfig
+from oasiskv_runtime.ops.norm_rope import norm_rope, rms_norm
 
 
 class AttentionBackend(Protocol):
@@ -26,13 +27,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False
+        """One Triton kernel on CUDA (``DecoderForCausalLM.use_fused_kernels``); else the PyTorch composition."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as transformers (normalize in float32, cast back, then scale) for logit parity.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps, backend="auto" if self.fused else "ref")
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -72,13 +72,6 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -91,6 +84,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.eps = config.rms_norm_eps
+        self.fused = False
+        """Qwen3's q/k norm and rotary as one Triton kernel per tensor on CUDA; else the PyTorch composition."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -98,9 +94,10 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ops = "auto" if self.fused else "ref"
+        qw, kw = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q = norm_rope(q, qw, self.eps, cos, sin, backend=ops)
+        k = norm_rope(k, kw, self.eps, cos, sin, backend=ops)
         out = backend.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 
