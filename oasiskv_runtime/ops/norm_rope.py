@@ -5,8 +5,10 @@ per tensor (negate, concatenate, three multiplies, add). A Qwen3 decoder layer r
 ~40 of the ~75 main-stream kernels a decode step launches per layer, each a few microseconds of work, so a
 replayed step spends much of its time between them (bench/NOTES.md, "What a graph replay leaves idle").
 
-Both kernels round where the reference rounds, so in bfloat16 they give the reference's bits except where the
-float32 sum of squares is summed in another order (a last-bit difference in the norm's scale):
+Both kernels round where the reference rounds. On the H200 the norm gave the reference's results to the last bit
+(one bit where the float32 sum of squares is added in another order); the rotary sums differed by up to one
+rounding of the products (``tests/test_norm_rope.py``; the cause, likely the compiler contracting a product into
+the sum, was not isolated). The model with the kernels gives the composition's greedy tokens (same test file):
 
 * :func:`rms_norm_ref`: ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype)`` (transformers'
   order: normalise in float32, cast back, then scale).
