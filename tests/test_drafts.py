@@ -101,3 +101,38 @@ def test_hybrid_takes_ngram_on_a_full_match_and_the_other_draft_elsewhere():
     out = hybrid.propose([repeat, short, fresh])
     assert out == {repeat.seq_id: 8, short.seq_id: 99, fresh.seq_id: 99}
     assert hybrid.name == "ngram:3+fixed"
+
+
+def _ngram_brute(tokens, max_n):
+    """The token after the most recent earlier occurrence of the longest suffix (n <= max_n), by a full scan."""
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - 1, n - 1, -1):
+            if tokens[i - n:i] == suffix:
+                return tokens[i], n
+    return None, 0
+
+
+def test_ngram_propose_on_sequences_matches_a_full_scan():
+    """NgramDraft.propose reads only each request's new tokens (token_at / token_slice, no copy of the context):
+    its guesses equal a full scan of the whole token list as prompts are read and outputs appended one or a
+    few at a time, for several requests at once and for prompts shorter than max_n."""
+    import random
+
+    from oasiskv_runtime.drafts.sources import NgramDraft
+    from oasiskv_runtime.engine.sequence import Sequence
+    from oasiskv_runtime.sampling_params import SamplingParams
+
+    rng = random.Random(3)
+    draft = NgramDraft(max_n=3)
+    seqs = [Sequence([rng.randrange(6) for _ in range(n)], SamplingParams()) for n in (1, 2, 5, 40)]
+    checked = 0
+    for _ in range(60):
+        for s in seqs:
+            s.output_token_ids += [rng.randrange(6) for _ in range(rng.choice((1, 1, 1, 3)))]
+        got = draft.propose(seqs)
+        for s in seqs:
+            want, n = _ngram_brute(s.all_token_ids, 3)
+            assert got.get(s.seq_id) == want, (s.all_token_ids, got.get(s.seq_id), want)
+            checked += want is not None
+    assert checked > 100

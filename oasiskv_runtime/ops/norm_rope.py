@@ -5,10 +5,11 @@ per tensor (negate, concatenate, three multiplies, add). A Qwen3 decoder layer r
 ~40 of the ~75 main-stream kernels a decode step launches per layer, each a few microseconds of work, so a
 replayed step spends much of its time between them (bench/NOTES.md, "What a graph replay leaves idle").
 
-Both kernels round where the reference rounds. On the H200 the norm gave the reference's results to the last bit
-(one bit where the float32 sum of squares is added in another order); the rotary sums differed by up to one
-rounding of the products (``tests/test_norm_rope.py``; the cause, likely the compiler contracting a product into
-the sum, was not isolated). The model with the kernels gives the composition's greedy tokens (same test file):
+Both kernels ask for the reference's roundings (casts after each product). On the H200 the norm gave the
+reference's results (a rare last bit where the float32 sum of squares is added in another order); 24-27% of the
+rotary results differed by one last bit of the products' magnitude, as if the products were not rounded before
+the sum (the compiler's doing, not isolated; ``tests/test_norm_rope.py`` bounds it). The model with the kernels
+gives the composition's greedy tokens on CUDA (same test file). The references:
 
 * :func:`rms_norm_ref`: ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype)`` (transformers'
   order: normalise in float32, cast back, then scale).
@@ -85,7 +86,7 @@ def _kernels():
         c2 = tl.load(COS + t * 2 * HALF + HALF + off, mask=ok, other=0.0).to(tl.float32)
         s1 = tl.load(SIN + t * 2 * HALF + off, mask=ok, other=0.0).to(tl.float32)
         s2 = tl.load(SIN + t * 2 * HALF + HALF + off, mask=ok, other=0.0).to(tl.float32)
-        # Each product rounded to the dtype before the sum, as `x * cos + rotated * sin` is in PyTorch.
+        # Casts as `x * cos + rotated * sin` rounds in PyTorch; on the H200 the results match one rounding instead.
         y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
         y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
         dst = Y + row * 2 * HALF
