@@ -209,14 +209,14 @@ class ModelDraft(_NoObserve):
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
         out = {}
         for s in seqs:
-            tokens = s.all_token_ids
+            n = s.num_tokens
             start = self.cache.num_cached(s.seq_id)
-            if start >= len(tokens):  # recomputed after preemption: rebuild
+            if start >= n:  # recomputed after preemption: rebuild
                 self.cache.free(s.seq_id)
                 start = 0
             self.cache.current = s.seq_id
-            ids = torch.tensor(tokens[start:], device=self.device)
-            pos = torch.arange(start, len(tokens), device=self.device)
+            ids = torch.tensor(s.token_slice(start, n), device=self.device)  # the new tokens only, no context copy
+            pos = torch.arange(start, n, device=self.device)
             out[s.seq_id] = int(self.lm(ids, pos, self.cache).argmax(-1).item())
         return out
 
@@ -258,13 +258,13 @@ class Eagle3Source:
         out = {}
         for s in seqs:
             positions, hidden = self.pending.get(s.seq_id, ([], []))
-            tokens = s.all_token_ids
+            n = s.num_tokens
             fed = self.fed.get(s.seq_id, -1)
-            keep = [i for i, p in enumerate(positions) if fed < p and p + 1 < len(tokens)]
+            keep = [i for i, p in enumerate(positions) if fed < p and p + 1 < n]
             if not keep:
                 continue
             pos = [positions[i] for i in keep]
-            ids = torch.tensor([tokens[p + 1] for p in pos], device=hidden[0].device)
+            ids = torch.tensor([s.token_at(p + 1) for p in pos], device=hidden[0].device)
             aux = torch.stack([hidden[i] for i in keep])
             out[s.seq_id] = self.drafter.propose(s.seq_id, ids, aux, torch.tensor(pos, device=aux.device))
             self.fed[s.seq_id] = pos[-1]

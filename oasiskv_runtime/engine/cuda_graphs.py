@@ -30,6 +30,7 @@ without capture: how the CPU tests check this path against the eager one, token 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -226,6 +227,7 @@ class DecodeGraphs:
         self.num_static_eager = 0
         self.num_split_steps = 0
         self.num_padded_rows = 0
+        self.prepare_seconds = 0.0
 
     def forget(self, seq_id: int) -> None:
         self.static.forget(seq_id)
@@ -310,9 +312,11 @@ class DecodeGraphs:
         """Run the decode requests ``decode`` (from :meth:`plan`); returns the step's metadata and the hidden
         states of their token rows."""
         runner, be = self.runner, self.runner.backend
+        t0 = time.perf_counter()
         meta = self._prepare([s.seq for s in decode], drafts, runner.step_index, key)
         self.num_padded_rows += key[0] - len(decode)
         be.begin_step(meta)
+        self.prepare_seconds += time.perf_counter() - t0
         entry = self.graphs.get(key) if self.capture else None
         if entry is not None:
             self.graphs.move_to_end(key)
@@ -355,8 +359,12 @@ class DecodeGraphs:
     def reset_counters(self) -> None:
         self.num_replays = self.num_captures = self.num_static_eager = self.num_split_steps = 0
         self.num_padded_rows = 0
+        self.prepare_seconds = 0.0
 
     def stats(self) -> dict:
+        runs = self.num_replays + self.num_static_eager
         return {"graph_replays": self.num_replays, "graph_captures": self.num_captures,
                 "static_eager_steps": self.num_static_eager, "split_steps": self.num_split_steps,
-                "graph_padding_rows": self.num_padded_rows, "graphs_disabled": self.disabled_reason}
+                "graph_padding_rows": self.num_padded_rows, "graphs_disabled": self.disabled_reason,
+                # Host time to lay out a step on the static buffers before its replay (the GPU waits meanwhile).
+                "graph_prepare_ms_per_step": self.prepare_seconds * 1e3 / runs if runs else None}

@@ -51,6 +51,9 @@ class EngineStats:
     """Wall time of decode-only steps. Each step's GPU work is waited for by the step's sampling or by the
     next step's first host sync, so the split is exact up to one step at each change of kind."""
     num_prefill_steps: int = 0
+    decode_host_seconds: float = 0.0
+    """Of decode-only steps: host time outside the model runner (scheduling, draft proposals, bookkeeping of the
+    sampled tokens). The runner's sampling waits for the GPU, so with CUDA graphs the GPU idles through it."""
 
     @property
     def max_running_batch(self) -> int:
@@ -265,12 +268,15 @@ class LLMEngine:
             if s.seq.times.first_scheduled is None:
                 s.seq.times.first_scheduled = now
         drafts = self.drafter.propose([s.seq for s in sched.scheduled if s.completes]) if self.drafter else {}
+        t_exec = time.perf_counter()
         sampled = self.runner.execute(sched, drafts)
+        t_sampled = time.perf_counter()
         if self.drafter is not None:
             self.drafter.observe(self.runner.last_meta, self.runner.last_captured)
         now = time.perf_counter()
         self.stats.num_steps += 1
-        if any(s.num_tokens > 1 for s in sched.scheduled):
+        decode_only = not any(s.num_tokens > 1 for s in sched.scheduled)
+        if not decode_only:
             self.stats.num_prefill_steps += 1
             self.stats.prefill_step_seconds += now - t_start
         else:
@@ -303,6 +309,8 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason, now)
                 finished.append(seq)
+        if decode_only:
+            self.stats.decode_host_seconds += (t_exec - t_start) + (time.perf_counter() - t_sampled)
         return finished
 
     def _release(self, seq_id: int) -> None:
@@ -376,6 +384,8 @@ class LLMEngine:
             "decode_step_seconds": st.decode_step_seconds,
             "prefill_time_share": (st.prefill_step_seconds / (st.prefill_step_seconds + st.decode_step_seconds)
                                    if st.num_steps else None),
+            "decode_host_ms_per_step": (st.decode_host_seconds * 1e3 / (st.num_steps - st.num_prefill_steps)
+                                        if st.num_steps > st.num_prefill_steps else None),
         }
         if self.config.device.startswith("cuda"):
             out["peak_torch_allocated_bytes"] = torch.cuda.max_memory_allocated(torch.device(self.config.device))
