@@ -289,7 +289,9 @@ def main() -> None:
                             kernel_profile(eng, f"{mode} B={batch} ctx={ctx} ({ms:.1f} ms/step with graphs="
                                            f"{setting})", args.kernel_profile)
                         if args.trace and setting == "auto":
-                            replay_trace(eng, f"{mode} B={batch} ctx={ctx} {variant} ({ms:.1f} ms/step)", args.trace)
+                            replay_trace(eng, f"{mode} B={batch} ctx={ctx} {variant}"
+                                         f"{'' if fused is None else f' fused_norm_rope={int(fused)}'} ({ms:.1f} ms/step)",
+                                         args.trace)
                         steps = args.warmup + args.steps
                         point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
                                      fetched_bytes_per_step=st["fetched_bytes_per_step"],
