@@ -262,8 +262,9 @@ class SchedulerConfig:
     them eagerly, 'static' runs them eagerly on the graphs' static input layout (tests the layout on the CPU)."""
     fused_norm_rope: bool = True
     """Every step, every mode: RMSNorm, and the q/k norm with rotary, as one Triton kernel each on CUDA (~40 fewer
-    kernels per decoder layer); False: their PyTorch composition (for A/B runs). Same rounding as the
-    composition (``oasiskv_runtime.ops.norm_rope``). The CPU always runs the composition."""
+    kernels per decoder layer); False: their PyTorch composition (for A/B runs). The norm rounds as the
+    composition does; rotary results may differ from it by one last bit (``oasiskv_runtime.ops.norm_rope``). The
+    CPU always runs the composition."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
