@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from oasiskv_runtime.config import EngineConfig
+from oasisbench.runners.step_trace import trace_lines  # noqa: F401 (profile_prefill.py imports it from here)
 from oasiskv_runtime.engine.kv_cache_manager import RequestBlocks, cdiv
 from oasiskv_runtime.engine.llm_engine import LLMEngine
 from oasiskv_runtime.engine.sequence import Sequence, SequenceStatus
@@ -135,56 +136,6 @@ def kernel_profile(eng: LLMEngine, title: str, path: str, steps: int = 3, rows: 
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
     with open(path, "a") as f:
         f.write(f"==== {title}, {steps} eager steps\n{table}\n")
-
-
-def trace_lines(prof, title: str, steps: int, rows: int = 12, raw_copy: str | None = None) -> list[str]:
-    """What the GPU did under ``prof`` (a finished torch.profiler run over ``steps`` steps, graph replays
-    included): kernels per stream, the union of their busy time against the wall window (the rest: the GPU waits
-    on launches, events or the host), and the top kernels by total time, each with its stream. ``raw_copy``: a
-    .json.gz path the raw trace is written to (once: an existing file is kept)."""
-    import gzip
-    import os
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(raw)
-        with open(raw) as f:
-            trace = json.load(f)
-        if raw_copy is not None and not os.path.exists(raw_copy):
-            with open(raw, "rb") as f, gzip.open(raw_copy, "wb") as g:
-                g.write(f.read())
-    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
-    lines = [f"==== {title}: {steps} steps as they run, {len(kernels)} kernels"]
-    if not kernels:
-        return lines
-    t0 = min(e["ts"] for e in kernels)
-    t1 = max(e["ts"] + e["dur"] for e in kernels)
-    busy, end = 0.0, t0
-    for e in sorted(kernels, key=lambda e: e["ts"]):  # union of the kernels' intervals
-        a, b = max(e["ts"], end), e["ts"] + e["dur"]
-        if b > a:
-            busy += b - a
-        end = max(end, b)
-    summed = sum(e["dur"] for e in kernels)
-    lines.append(f"window {(t1 - t0) / 1e3 / steps:.2f} ms/step, some kernel running {busy / 1e3 / steps:.2f} "
-                 f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {summed / 1e3 / steps:.2f} ms/step")
-
-    def tally(key) -> list:
-        """(key, kernel count, summed duration) per value of ``key``, longest first."""
-        out: dict = {}
-        for e in kernels:
-            c = out.setdefault(key(e), [0, 0.0])
-            c[0] += 1
-            c[1] += e["dur"]
-        return sorted(((k, n, d) for k, (n, d) in out.items()), key=lambda x: -x[2])
-
-    stream = lambda e: e.get("args", {}).get("stream", "?")  # noqa: E731
-    for sid, n, d in tally(stream):
-        lines.append(f"  stream {sid}: {n / steps:.0f} kernels/step, {d / 1e3 / steps:.2f} ms/step")
-    for (name, sid), n, d in tally(lambda e: (e["name"][:70], stream(e)))[:rows]:
-        lines.append(f"  {d / 1e3 / steps:7.2f} ms/step {n / steps:6.0f}/step  stream {sid}  {name}")
-    return lines
 
 
 def replay_trace(eng: LLMEngine, title: str, path: str, steps: int = 2, rows: int = 12) -> None:

@@ -8,7 +8,9 @@
 #   run(command="bash bench/h200_paper.sh", timeout_s=600)
 #
 # BUDGET_S: seconds this script may take in all (default 585); TEST_S: seconds kept for the tests at the end
-# (0: no tests); TESTS: the pytest paths to run (default: the prefill path's); RESUME: a run directory in the working tree to continue (its finished points are skipped).
+# (0: no tests); TESTS: the pytest paths to run (default: the prefill path's); RESUME: a run directory in the working tree to continue (its finished points are skipped);
+# TRACE: START:COUNT, profile those engine steps of every point (`--trace-steps`; the summary per step kind lands
+# in $OUT/traces.txt; the profiled steps run slower, so that point's timings are marked `traced_steps`).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -33,6 +35,7 @@ copy_results() {
   local d
   d=${RESUME:-$(ls -d "$RES"/*/*/ 2>/dev/null | head -1)}
   [ -n "$d" ] && cp -f "$d"/metrics.json "$d"/config.json "$d"/env.json "$OUT/" 2>/dev/null
+  [ -n "$d" ] && [ -f "$d"/traces.txt ] && cp -f "$d"/traces.txt "$OUT/"
   return 0
 }
 (while sleep 10; do copy_results; done) &
@@ -42,7 +45,8 @@ COPIER=$!
 left=$(( BUDGET_S - TEST_S - $(elapsed) ))
 echo "suite: $SUITE, ${left}s" | tee "$OUT/suite.log"
 timeout --signal=INT --kill-after=10 "$left" \
-  python3 -m oasisbench.cli.main run "$SUITE" -o "$RES" ${RESUME:+--resume "$RESUME"} >>"$OUT/suite.log" 2>&1
+  python3 -m oasisbench.cli.main run "$SUITE" -o "$RES" ${RESUME:+--resume "$RESUME"} \
+  ${TRACE:+--trace-steps "$TRACE"} >>"$OUT/suite.log" 2>&1
 echo "suite exit $? at $(elapsed)s" | tee -a "$OUT/suite.log"
 copy_results
 

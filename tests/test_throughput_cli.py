@@ -137,7 +137,7 @@ def test_resume_skips_finished_points(tiny, sweep, tmp_path, monkeypatch):
     ran: list[str] = []
     real = tp.run_point
     monkeypatch.setattr(tp, "run_point",
-                        lambda pp, cache, progress=None: ran.append(pp.pid) or real(pp, cache, progress))
+                        lambda pp, cache, progress=None, trace=None: ran.append(pp.pid) or real(pp, cache, progress))
     base = ["throughput", "--model", tiny, "--measure-recall", *SMALL, "--resume", str(run_dir)]
     r = runner.invoke(app, [*base, "--modes", "dense,oasiskv", "--concurrency", "1,2"])
     assert r.exit_code == 0, r.output
@@ -319,3 +319,23 @@ def test_committed_ci_baseline_gates(tmp_path):
     check["expected"] += 1
     result = gate(run, doctored)
     assert not result.passed and any(o.metric == "total_output_tokens" for o in result.failures)
+
+
+def test_trace_steps_writes_a_per_kind_summary(tiny, tmp_path):
+    """--trace-steps profiles a window of each point's engine steps and reports them per step kind (on the CPU:
+    host wall time and the step split; kernels need CUDA); the records say their timings were traced. A bad
+    window exits 2 before any run directory is made."""
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--modes", "dense,oasiskv", "--concurrency", "2",
+                            "--trace-steps", "0:5", "--output-dir", str(tmp_path), *SMALL])
+    assert r.exit_code == 0, r.output
+    run = run_dir_of(r.output)
+    text = (run / "traces.txt").read_text()
+    # Per point: 40-token prompts in 2,048-token steps, so step 0 prefills both requests (and samples their first
+    # tokens), steps 1-2 decode the other 2 outputs; the run ends before the window's 5 steps.
+    assert text.count("==== ") == 2 and text.count("3 profiled steps") == 2
+    assert text.count("-- prefill-carrying: 1 steps, host wall") == 2 and text.count("-- decode-only: 2 steps") == 2
+    records = json.loads((run / "metrics.json").read_text())["records"]
+    assert len(records) == 2 and all(rec["metrics"]["traced_steps"] == "0:5" for rec in records)
+    bad = runner.invoke(app, ["throughput", "--model", tiny, "--trace-steps", "4", "--output-dir",
+                              str(tmp_path / "bad"), *SMALL])
+    assert bad.exit_code == 2 and "START:COUNT" in bad.output and not (tmp_path / "bad").exists()

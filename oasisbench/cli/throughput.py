@@ -25,6 +25,11 @@ from oasisbench.results.report import render_report
 from oasisbench.results.store import RunStore, atomic_write_text
 
 OutputDirOpt = Annotated[Path, typer.Option("--output-dir", "-o", help="Runs go to <output-dir>/<suite>/<run-id>/.")]
+TraceOpt = Annotated[str | None, typer.Option(
+    "--trace-steps", help="START:COUNT: profile engine steps START..START+COUNT-1 of every point (torch.profiler) "
+    "and append, per step kind (prefill-carrying / decode-only), host wall time, GPU busy time, kernels per "
+    "stream and the host's blocking CUDA calls to traces.txt in the run directory. Those steps run slower.",
+    show_default=False)]
 ResumeOpt = Annotated[Path | None, typer.Option(
     "--resume", help="Continue this run directory: recorded points are skipped, failed ones retried.",
     show_default=False)]
@@ -71,10 +76,22 @@ def open_store(output_dir: Path, suite: str, resume: Path | None) -> RunStore:
         raise fail(str(e)) from None
 
 
-def execute(points: list[dict[str, Any]], store: RunStore, gate: Path | None = None) -> None:
+def trace_window(trace_steps: str | None) -> tuple[int, int] | None:
+    """``--trace-steps`` parsed (exit 2 on a malformed value, before any run directory is made)."""
+    from oasisbench.runners.step_trace import parse_window
+
+    try:
+        return parse_window(trace_steps)
+    except ValueError as e:
+        raise fail(str(e)) from None
+
+
+def execute(points: list[dict[str, Any]], store: RunStore, gate: Path | None = None,
+            window: tuple[int, int] | None = None) -> None:
     """Run the sweep with a progress bar, then write plots and report.md; exit 1 if a point failed.
 
     ``gate``: the suite's baseline file, printed as the command that checks this run against it.
+    ``window``: ``--trace-steps`` (:func:`trace_window`).
     """
     from oasisbench.runners.throughput import run_throughput, summary_table
 
@@ -82,14 +99,15 @@ def execute(points: list[dict[str, Any]], store: RunStore, gate: Path | None = N
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=console) as progress:
-            run_throughput(points, store, progress)
+            run_throughput(points, store, progress, window)
     except ValueError as e:
         raise fail(str(e)) from None
     run = store.load()
     console.print(summary_table(run.records))
     plots = write_plots(run) if plots_available() else []
     atomic_write_text(store.path / "report.md", render_report(run))
-    console.print(f"wrote metrics.json, report.md and {len(plots)} plot(s)")
+    console.print(f"wrote metrics.json, report.md and {len(plots)} plot(s)"
+                  + (f"; step traces in {store.path / 'traces.txt'}" if window is not None else ""), markup=False)
     failed = [r for r in run.records if r["metrics"].get("error")]
     for r in failed:
         console.print(f"[bold red]point failed[/] {escape(r['point']['mode'])} ctx={r['point']['context_len']} "
@@ -135,12 +153,14 @@ def throughput_cmd(
     output_dir: OutputDirOpt = Path("results"),
     suite_name: Annotated[str, typer.Option("--suite-name", help="Directory name of the sweep.")] = "throughput",
     resume: ResumeOpt = None,
+    trace_steps: TraceOpt = None,
 ) -> None:
     """Throughput of each mode over context lengths and concurrencies (random-token prompts, greedy).
 
     Example: oasisbench throughput --modes dense,oasiskv --context-len 1024 --concurrency 1,4,8
     """
     mode_list = _modes(modes)
+    window = trace_window(trace_steps)
     contexts = _ints(context_len, "--context-len")
     concurrencies = _ints(concurrency, "--concurrency")
     device = default_device(device)
@@ -157,7 +177,7 @@ def throughput_cmd(
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
     points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
               for ctx in contexts for c in concurrencies for m in mode_list]
-    execute(points, open_store(output_dir, suite_name, resume))
+    execute(points, open_store(output_dir, suite_name, resume), window=window)
 
 
 def run_cmd(
@@ -165,6 +185,7 @@ def run_cmd(
                                                show_default=False)],
     output_dir: OutputDirOpt = Path("results"),
     resume: ResumeOpt = None,
+    trace_steps: TraceOpt = None,
 ) -> None:
     """Run a throughput suite file: every point of its grid, recorded under the suite's name.
 
@@ -172,6 +193,7 @@ def run_cmd(
     """
     from oasisbench.suites import SuiteError, load_suite
 
+    window = trace_window(trace_steps)
     try:
         suite = load_suite(suite_path)
     except SuiteError as e:
@@ -179,4 +201,4 @@ def run_cmd(
     if suite.kind != "throughput":
         raise fail(f"{suite_path}: kind {suite.kind!r} is not run here; `oasisbench run` runs throughput suites")
     store = open_store(output_dir, suite.name, resume)
-    execute(suite.expand(), store, suite.gate)
+    execute(suite.expand(), store, suite.gate, window)

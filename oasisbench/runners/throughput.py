@@ -253,9 +253,12 @@ def warm_up(llm: Any, point: dict[str, Any]) -> None:
     eng.reset_stats()
 
 
-def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | None = None) -> dict[str, Any]:
-    """Run one point; returns its metrics (with ``error`` set when it failed)."""
+def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | None = None,
+              trace: tuple[tuple[int, int], Path] | None = None) -> dict[str, Any]:
+    """Run one point; returns its metrics (with ``error`` set when it failed). ``trace``: (window, file): profile
+    that window of the point's engine steps into the file (:mod:`oasisbench.runners.step_trace`)."""
     from oasiskv_runtime import SamplingParams
+    from oasisbench.runners.step_trace import traced_steps
 
     p = planned.point
     n = int(p["num_requests"])
@@ -266,9 +269,12 @@ def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | N
         prompts = make_prompts(n, p["context_len"] - p["output_len"], llm.engine.model_config.vocab_size, p["seed"])
         params = SamplingParams(max_tokens=p["output_len"], temperature=0.0, ignore_eos=True, seed=p["seed"])
         advance = (lambda _out: progress.advance(task)) if progress is not None else None
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, on_finish=advance)
-        duration = time.perf_counter() - t0
+        window, trace_path = trace if trace is not None else (None, None)
+        with traced_steps(llm.engine, window, f"{p['mode']} ctx={p['context_len']} c={p['concurrency']} "
+                          f"({planned.pid})", trace_path):
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, on_finish=advance)
+            duration = time.perf_counter() - t0
         return point_metrics(outputs, n, duration, llm.engine.run_stats())
     except Exception as e:  # noqa: BLE001  (see EXPECTED_POINT_ERRORS)
         cache.drop()  # an engine that failed mid-run may hold half-allocated requests
@@ -315,8 +321,11 @@ def _git_commit() -> str | None:
     return (r.stdout.strip() or None) if r.returncode == 0 else None
 
 
-def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Progress | None = None) -> None:
+def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Progress | None = None,
+                   trace_window: tuple[int, int] | None = None) -> None:
     """Run every point not already recorded in ``store``; write config.json, env.json and metrics.json.
+    ``trace_window`` (start, count): profile those engine steps of each point run into ``traces.txt`` in the run
+    directory (the profiled steps are slower: their point's timings are marked ``traced_steps``).
 
     Raises ``ValueError`` (before running anything) for invalid points; see the module docstring.
     ``progress`` gets one task per point, advanced per finished request; :func:`summary_table` renders
@@ -337,7 +346,11 @@ def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Prog
     for pp in planned:
         if pp.pid in done:
             continue
-        store.add_record(pp.point, run_point(pp, cache, progress))
+        trace = (trace_window, store.path / "traces.txt") if trace_window is not None else None
+        metrics = run_point(pp, cache, progress, trace)
+        if trace_window is not None:
+            metrics["traced_steps"] = f"{trace_window[0]}:{trace_window[1]}"
+        store.add_record(pp.point, metrics)
     cache.drop()
 
 

@@ -1,0 +1,206 @@
+"""Where the time of end-to-end steps goes: torch.profiler over a window of a throughput point's engine steps,
+reported per step kind (prefill-carrying vs decode-only).
+
+``oasisbench run SUITE --trace-steps START:COUNT`` (and ``throughput --trace-steps``) profiles engine steps
+START .. START+COUNT-1 of every point it runs and appends a text summary to ``traces.txt`` in the run directory.
+Each step runs inside a ``torch.profiler.record_function`` range; a GPU kernel belongs to the step whose host range
+holds its launch (the CUDA runtime call with the kernel's correlation id; a graph replay's kernels correlate to
+the replay's launch). Per kind the summary gives: steps, host wall time per step, the GPU's busy time (union of
+kernel intervals) and summed kernel time per step, kernels per step by stream, the top kernels, and the host's
+blocking CUDA calls (synchronisations and synchronous copies) with the time the host spent in them: where a step
+waits for the GPU, and the GPU, idle, waits for the host.
+
+:func:`trace_lines` summarises a whole profiled window the same way without the split (the decode and prefill
+bench scripts use it). The profiler adds host overhead to the profiled steps: compare kinds and kernels, not the
+window's wall time with an unprofiled run.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gzip
+import json
+import os
+import tempfile
+from typing import Any, Iterator
+
+#: The record_function name of a profiled step; its kind is kept beside it, in step order.
+STEP_RANGE = "oasisbench::step"
+#: Host CUDA runtime calls that block until the GPU (or a copy) is done.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                  "cudaMemcpy2D", "cudaMemset")
+
+
+def parse_window(spec: str | None) -> tuple[int, int] | None:
+    """``"START:COUNT"`` -> (start, count); None or "" -> None. Raises ValueError naming the format."""
+    if not spec:
+        return None
+    try:
+        start, count = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--trace-steps takes START:COUNT (engine steps, e.g. 40:30), got {spec!r}") from None
+    if start < 0 or count < 1:
+        raise ValueError(f"--trace-steps START:COUNT needs START >= 0 and COUNT >= 1, got {spec!r}")
+    return start, count
+
+
+def _events(prof, raw_copy: str | None = None) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw) as f:
+            trace = json.load(f)
+        if raw_copy is not None and not os.path.exists(raw_copy):
+            with open(raw, "rb") as f, gzip.open(raw_copy, "wb") as g:
+                g.write(f.read())
+    return [e for e in trace.get("traceEvents", []) if "dur" in e and "ts" in e]
+
+
+def _stream(e: dict) -> Any:
+    return e.get("args", {}).get("stream", "?")
+
+
+def _tally(events: list[dict], key) -> list[tuple[Any, int, float]]:
+    """(key, count, summed duration in us) per value of ``key``, longest first."""
+    out: dict = {}
+    for e in events:
+        c = out.setdefault(key(e), [0, 0.0])
+        c[0] += 1
+        c[1] += e["dur"]
+    return sorted(((k, n, d) for k, (n, d) in out.items()), key=lambda x: -x[2])
+
+
+def _busy(kernels: list[dict]) -> float:
+    """Union of the kernels' intervals, us."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        a, b = max(e["ts"], end), e["ts"] + e["dur"]
+        if b > a:
+            busy += b - a
+        end = max(end, b)
+    return busy
+
+
+def _kernel_lines(kernels: list[dict], steps: int, rows: int) -> list[str]:
+    lines = [f"  stream {sid}: {n / steps:.0f} kernels/step, {d / 1e3 / steps:.2f} ms/step"
+             for sid, n, d in _tally(kernels, _stream)]
+    for (name, sid), n, d in _tally(kernels, lambda e: (e["name"][:70], _stream(e)))[:rows]:
+        lines.append(f"  {d / 1e3 / steps:7.2f} ms/step {n / steps:6.0f}/step  stream {sid}  {name}")
+    return lines
+
+
+def trace_lines(prof, title: str, steps: int, rows: int = 12, raw_copy: str | None = None) -> list[str]:
+    """What the GPU did under ``prof`` (a finished torch.profiler run over ``steps`` steps, graph replays
+    included): kernels per stream, the union of their busy time against the wall window (the rest: the GPU waits
+    on launches, events or the host), and the top kernels by total time, each with its stream. ``raw_copy``: a
+    .json.gz path the raw trace is written to (once: an existing file is kept)."""
+    kernels = [e for e in _events(prof, raw_copy) if e.get("cat") == "kernel"]
+    lines = [f"==== {title}: {steps} steps as they run, {len(kernels)} kernels"]
+    if not kernels:
+        return lines
+    t0 = min(e["ts"] for e in kernels)
+    t1 = max(e["ts"] + e["dur"] for e in kernels)
+    busy, summed = _busy(kernels), sum(e["dur"] for e in kernels)
+    lines.append(f"window {(t1 - t0) / 1e3 / steps:.2f} ms/step, some kernel running {busy / 1e3 / steps:.2f} "
+                 f"ms/step ({100 * busy / (t1 - t0):.0f}%), kernel time summed {summed / 1e3 / steps:.2f} ms/step")
+    return lines + _kernel_lines(kernels, steps, rows)
+
+
+def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int = 10) -> list[str]:
+    """The per-kind summary (module docstring) of profiler ``events`` whose ``STEP_RANGE`` ranges are the steps
+    of ``kinds`` (one kind per step, in order)."""
+    ranges = sorted((e for e in events if e.get("name") == STEP_RANGE), key=lambda e: e["ts"])
+    lines = [f"==== {title}: {len(ranges)} profiled steps"]
+    if len(ranges) != len(kinds):
+        return lines + [f"  (step ranges {len(ranges)} != steps {len(kinds)}: not attributed)"]
+    starts = [e["ts"] for e in ranges]
+
+    def step_of(ts: float) -> int | None:
+        i = bisect.bisect_right(starts, ts) - 1
+        return i if i >= 0 and ts <= ranges[i]["ts"] + ranges[i]["dur"] else None
+
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    per_step_kernels: list[list[dict]] = [[] for _ in ranges]
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        ts = launch_ts.get(e.get("args", {}).get("correlation"))
+        i = step_of(ts) if ts is not None else None
+        if i is not None:
+            per_step_kernels[i].append(e)
+    per_step_blocking: list[list[dict]] = [[] for _ in ranges]
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e.get("name") in BLOCKING_CALLS:
+            i = step_of(e["ts"])
+            if i is not None:
+                per_step_blocking[i].append(e)
+    for kind in sorted(set(kinds)):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        n = len(idx)
+        wall = sum(ranges[i]["dur"] for i in idx)
+        kernels = [e for i in idx for e in per_step_kernels[i]]
+        busy = sum(_busy(per_step_kernels[i]) for i in idx)
+        summed = sum(e["dur"] for e in kernels)
+        lines.append(f"-- {kind}: {n} steps, host wall {wall / 1e3 / n:.2f} ms/step, GPU busy {busy / 1e3 / n:.2f} "
+                     f"ms/step ({100 * busy / wall if wall else 0:.0f}% of the wall), kernel time summed "
+                     f"{summed / 1e3 / n:.2f} ms/step, {len(kernels) / n:.0f} kernels/step")
+        blocking = [e for i in idx for e in per_step_blocking[i]]
+        for name, cnt, d in _tally(blocking, lambda e: e["name"]):
+            lines.append(f"  host blocked in {name}: {cnt / n:.1f}/step, {d / 1e3 / n:.2f} ms/step")
+        if kernels:
+            lines += _kernel_lines(kernels, n, rows)
+    return lines
+
+
+@contextlib.contextmanager
+def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: str | os.PathLike) -> Iterator[None]:
+    """Within this context, profile ``engine``'s steps ``window`` = (start, count), counted from the context's
+    first step, and append :func:`step_kind_lines` to ``path`` when the window closes (or at exit, if the run
+    ended first). No window: nothing is changed."""
+    if window is None:
+        yield
+        return
+    import torch
+
+    start, count = window
+    step = engine.step
+    state: dict[str, Any] = {"n": 0, "prof": None, "kinds": []}
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def close() -> None:
+        prof = state["prof"]
+        if prof is None:
+            return
+        state["prof"] = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        lines = step_kind_lines(_events(prof), state["kinds"], title)
+        with open(path, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+    def traced_step():
+        i = state["n"]
+        state["n"] += 1
+        if not start <= i < start + count:
+            return step()
+        if state["prof"] is None:
+            state["prof"] = torch.profiler.profile(activities=acts)
+            state["prof"].__enter__()
+        before = engine.stats.num_prefill_steps
+        with torch.profiler.record_function(STEP_RANGE):
+            out = step()
+        state["kinds"].append("prefill-carrying" if engine.stats.num_prefill_steps > before else "decode-only")
+        if i == start + count - 1:
+            close()
+        return out
+
+    engine.step = traced_step
+    try:
+        yield
+    finally:
+        del engine.step  # the instance attribute: the class method shows through again
+        close()

@@ -1,0 +1,47 @@
+"""Attribution of a profiled window's kernels and blocking calls to engine steps by kind (synthetic profiler
+events: the CUDA part cannot run on the CPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oasisbench.runners.step_trace import STEP_RANGE, parse_window, step_kind_lines
+
+
+def _ev(name, cat, ts, dur, **args):
+    return {"name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+
+def test_kernels_go_to_the_step_that_launched_them():
+    events = [
+        _ev(STEP_RANGE, "user_annotation", 0, 100), _ev(STEP_RANGE, "user_annotation", 100, 20),
+        _ev(STEP_RANGE, "user_annotation", 120, 20),
+        # step 0 (prefill-carrying): two launches and a sync; its second kernel runs after the step's host range
+        _ev("cudaLaunchKernel", "cuda_runtime", 5, 1, correlation=1),
+        _ev("cudaLaunchKernel", "cuda_runtime", 6, 1, correlation=2),
+        _ev("cudaStreamSynchronize", "cuda_runtime", 50, 40),
+        _ev("attn", "kernel", 10, 30, correlation=1, stream=7),
+        _ev("gather", "kernel", 20, 30, correlation=2, stream=9),      # overlaps attn: busy = 10..50 = 40
+        # steps 1 and 2 (decode-only): one graph launch each, two kernels per launch
+        _ev("cudaGraphLaunch", "cuda_runtime", 101, 2, correlation=3),
+        _ev("cudaGraphLaunch", "cuda_runtime", 121, 2, correlation=4),
+        _ev("k", "kernel", 103, 4, correlation=3, stream=7), _ev("k", "kernel", 108, 4, correlation=3, stream=7),
+        _ev("k", "kernel", 123, 4, correlation=4, stream=7), _ev("k", "kernel", 128, 4, correlation=4, stream=7),
+        _ev("orphan", "kernel", 500, 9, correlation=99, stream=7),     # no launch in the window: dropped
+    ]
+    text = "\n".join(step_kind_lines(events, ["prefill-carrying", "decode-only", "decode-only"], "t"))
+    assert "3 profiled steps" in text
+    assert "-- prefill-carrying: 1 steps, host wall 0.10 ms/step, GPU busy 0.04 ms/step (40% of the wall), " \
+           "kernel time summed 0.06 ms/step, 2 kernels/step" in text
+    assert "host blocked in cudaStreamSynchronize: 1.0/step, 0.04 ms/step" in text
+    assert "-- decode-only: 2 steps, host wall 0.02 ms/step, GPU busy 0.01 ms/step" in text
+    assert "orphan" not in text
+
+
+def test_mismatched_steps_are_not_attributed_and_windows_parse():
+    lines = step_kind_lines([_ev(STEP_RANGE, "user_annotation", 0, 1)], ["decode-only", "decode-only"], "t")
+    assert "not attributed" in lines[-1]
+    assert parse_window("40:30") == (40, 30) and parse_window("") is None
+    for bad in ("40", "a:b", "-1:3", "3:0"):
+        with pytest.raises(ValueError, match="START:COUNT"):
+            parse_window(bad)
