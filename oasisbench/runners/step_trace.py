@@ -156,8 +156,8 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
 @contextlib.contextmanager
 def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: str | os.PathLike) -> Iterator[None]:
     """Within this context, profile ``engine``'s steps ``window`` = (start, count), counted from the context's
-    first step, and append :func:`step_kind_lines` to ``path`` when the window closes (or at exit, if the run
-    ended first). No window: nothing is changed."""
+    first step; at exit append :func:`step_kind_lines` to ``path`` (exporting and reading a trace takes seconds
+    to minutes: time the run inside the context, as :func:`run_point` does). No window: nothing is changed."""
     if window is None:
         yield
         return
@@ -170,15 +170,21 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
 
-    def close() -> None:
+    def stop() -> None:
+        """End the profiled window (the trace is summarised at the context's exit, outside the timed run)."""
         prof = state["prof"]
-        if prof is None:
+        if prof is None or state.get("stopped"):
             return
-        state["prof"] = None
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof.__exit__(None, None, None)
-        lines = step_kind_lines(_events(prof), state["kinds"], title)
+        state["stopped"] = True
+
+    def report() -> None:
+        stop()
+        if state["prof"] is None:
+            return
+        lines = step_kind_lines(_events(state["prof"]), state["kinds"], title)
         with open(path, "a") as f:
             f.write("\n".join(lines) + "\n\n")
 
@@ -195,7 +201,7 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
             out = step()
         state["kinds"].append("prefill-carrying" if engine.stats.num_prefill_steps > before else "decode-only")
         if i == start + count - 1:
-            close()
+            stop()
         return out
 
     engine.step = traced_step
@@ -203,4 +209,4 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
         yield
     finally:
         del engine.step  # the instance attribute: the class method shows through again
-        close()
+        report()
