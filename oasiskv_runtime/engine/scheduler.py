@@ -94,7 +94,7 @@ class Scheduler:
         # Admit waiting requests only when nobody was preempted this step: otherwise we would re-admit the
         # victim at once and thrash.
         reserved = [0, 0]  # blocks running requests still need for their pending prompts
-        for s in self.running:
+        for s in self.running if self.waiting and not out.preempted_ids else ():  # only read when admitting
             dev, host = self.kv.pending_needs(s)
             reserved[0] += dev
             reserved[1] += host
