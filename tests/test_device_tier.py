@@ -118,11 +118,11 @@ def test_manager_spills_past_the_host_pool_into_the_device_pool():
                         max_model_len=1000, device_tier=True)
     a, b = _seq(32), _seq(40)
     assert kv.allocate(a, 32)                                  # 8 host blocks; device: 4 ws + 2 summary
-    assert kv.blocks(a).host_blocks == list(range(8)) and kv.num_tier_blocks(kv.blocks(a)) == 0
+    assert kv.blocks(a).host_blocks == list(range(8)) and kv.blocks(a).num_tier == 0
     assert kv.allocate(b, 40)                    # 10 blocks: 2 on the host, 8 in the tier; + 4 ws + 3 summary
     ids = kv.blocks(b).host_blocks
     assert ids[:2] == [8, 9] and all(i >= kv.tier_first == 10 for i in ids[2:])
-    assert kv.num_tier_blocks(kv.blocks(b)) == 8 == kv.tier_blocks_used
+    assert kv.blocks(b).num_tier == 8 == kv.tier_blocks_used
     assert kv.device_pool.num_used == 6 + 7 + 8
     assert kv.device_blocks_held(b) == 7 + 8 and kv.device_blocks_held(a) == 6
     kv.free(b)

@@ -40,9 +40,9 @@ class RequestBlocks:
     ws_blocks: list[int] = field(default_factory=list)
     summary_blocks: list[int] = field(default_factory=list)
     num_shared_host: int = 0
+    """The first host blocks belong to a prefix cache (prefill-decode, prefill side): never freed here."""
     num_tier: int = 0
     """How many of ``host_blocks`` are device-tier blocks (counted as they are taken: read every step)."""
-    """The first host blocks belong to a prefix cache (prefill-decode, prefill side): never freed here."""
 
     @property
     def num_device_blocks(self) -> int:
@@ -91,9 +91,6 @@ class KVCacheManager:
         self.host_pool.free([b for b in ids if b < self.tier_first])
         self.device_pool.free(tier)
         self.tier_blocks_used -= len(tier)
-
-    def num_tier_blocks(self, rb: RequestBlocks) -> int:
-        return rb.num_tier
 
     def num_ws_slots(self, max_len: int) -> int:
         """Selection slots per request: always ``top_k_blocks`` (uniform shapes let one batched selection and
@@ -241,4 +238,4 @@ class KVCacheManager:
         """Device blocks the request holds: working set, summaries, full KV on the device (dense modes and the
         device tier)."""
         rb = self.requests.get(seq.seq_id)
-        return rb.num_device_blocks + self.num_tier_blocks(rb) if rb else 0
+        return rb.num_device_blocks + rb.num_tier if rb else 0
