@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from oasiskv_runtime.config import EngineConfig
-from oasisbench.runners.step_trace import trace_lines  # noqa: F401 (profile_prefill.py imports it from here)
+from oasisbench.runners.step_trace import trace_lines
 from oasiskv_runtime.engine.kv_cache_manager import RequestBlocks, cdiv
 from oasiskv_runtime.engine.llm_engine import LLMEngine
 from oasiskv_runtime.engine.sequence import Sequence, SequenceStatus
@@ -159,6 +159,11 @@ def reset(eng: LLMEngine) -> None:
     eng.scheduler.running.clear()
 
 
+def _switches(text: str) -> list[bool | None]:
+    """An A/B switch option ("1,0") as its settings; "" -> [None] (the engine's default)."""
+    return [bool(int(x)) for x in text.split(",")] if text else [None]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -194,10 +199,10 @@ def main() -> None:
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
     gather_list = [int(x) for x in args.gather_ctas.split(",")] if args.gather_ctas else [None]
-    select_list = [bool(int(x)) for x in args.select_kernel.split(",")] if args.select_kernel else [None]
+    select_list = _switches(args.select_kernel)
     variants = [{k: v for k, v in (("gather_ctas", g), ("select_kernel", sk)) if v is not None}
                 for g in gather_list for sk in select_list]
-    fused_list = [bool(int(x)) for x in args.fused_norm_rope.split(",")] if args.fused_norm_rope else [None]
+    fused_list = _switches(args.fused_norm_rope)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
                "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "points": [], "sweep": []}

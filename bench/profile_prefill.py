@@ -21,9 +21,9 @@ import warnings
 
 import torch
 
-from bench_decode import trace_lines  # the script's own folder is on sys.path
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.models.loader import model_config_for
+from oasisbench.runners.step_trace import trace_lines
 
 GiB = 1 << 30
 TOP_K = 128  # blocks per KV head in the sparse modes
@@ -138,6 +138,7 @@ def main() -> None:
     working_sets_gb = gb_per_token * (args.decode_rows + args.requests) * (TOP_K + 2) * 16  # oasiskv: K + 2 blocks
     kv_gb, host_gb = max(args.kv_gb, need_gb, working_sets_gb), max(args.host_gb, need_gb)
     report[0] += f"; device KV {kv_gb:.1f} GiB, host pool {host_gb:.1f} GiB"
+    print(report[0], flush=True)
     variants = [{args.ab: True}, {args.ab: False}] if args.ab else [{}]
     for mode, variant in ((m, v) for m in args.modes.split(",") for v in variants):
         llm = LLM(args.model, device=args.device, dtype=dtype, mode=mode, kv_cache_gb=kv_gb,
@@ -166,6 +167,7 @@ def main() -> None:
         if not args.no_profile:
             with torch.profiler.profile(activities=acts) as prof:
                 profiled = run()
+        first_line = len(report)
         pre = [ms for k, ms in timed if k == "prefill"]
         dec = [ms for k, ms in timed if k == "decode"]
         report.append(f"\n==== {label}: prefill steps {len(pre)} x {sum(pre) / max(1, len(pre)):.1f} ms "
@@ -182,7 +184,7 @@ def main() -> None:
         if args.sync_sites and args.device == "cuda":
             report.append("host synchronisations (count, innermost project frames):")
             report += [f"  {n:5d}  {w}" for n, w in sync_sites(run)]
-        print("\n".join(report[-3:]), flush=True)  # header line + tables
+        print("\n".join(report[first_line:]), flush=True)  # this run's lines
         with open(args.out, "w") as f:
             f.write("\n".join(report) + "\n")
         del llm, prof
