@@ -334,6 +334,9 @@ def test_trace_steps_writes_a_per_kind_summary(tiny, tmp_path):
     # tokens), steps 1-2 decode the other 2 outputs; the run ends before the window's 5 steps.
     assert text.count("==== ") == 2 and text.count("3 profiled steps") == 2
     assert text.count("-- prefill-carrying: 1 steps, host wall") == 2 and text.count("-- decode-only: 2 steps") == 2
+    # ... and where the host's Python time went, per kind: the engine's step is among the functions it names
+    assert text.count("-- decode-only: Python own time") == 2 and "calls/step" in text
+    assert "engine.py" in text
     records = json.loads((run / "metrics.json").read_text())["records"]
     assert len(records) == 2 and all(rec["metrics"]["traced_steps"] == "0:5" for rec in records)
     bad = runner.invoke(app, ["throughput", "--model", tiny, "--trace-steps", "4", "--output-dir",

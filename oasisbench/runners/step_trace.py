@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import cProfile
 import gzip
 import json
 import os
+import pstats
 import tempfile
 from typing import Any, Iterator
 
 #: The record_function name of a profiled step; its kind is kept beside it, in step order.
 STEP_RANGE = "oasisbench::step"
+#: Packages whose functions :func:`python_lines` also ranks by cumulative time (where a step's host time goes).
+OUR_PACKAGES = ("oasiskv_runtime", "oasisbench")
 #: Host CUDA runtime calls that block until the GPU (or a copy) is done.
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                   "cudaMemcpy2D", "cudaMemset")
@@ -153,6 +157,29 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
     return lines
 
 
+def python_lines(stats: dict[str, pstats.Stats], steps: dict[str, int], rows: int = 15) -> list[str]:
+    """Per step kind, the Python functions with the most own time (cProfile's tottime) over that kind's profiled
+    steps, per step: own ms, cumulative ms, calls. cProfile slows Python code (roughly 1.5-2x), so read shares
+    and call counts, not absolute times."""
+    lines = []
+    for kind in sorted(stats):
+        n = max(steps.get(kind, 1), 1)
+        st = stats[kind].stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+        total = sum(v[2] for v in st.values())
+        lines.append(f"-- {kind}: Python own time {total * 1e3 / n:.2f} ms/step under cProfile; top by own time:")
+
+        def row(item) -> str:
+            (file, line, name), (_cc, nc, tt, ct, _callers) = item
+            where = f"{os.path.basename(os.path.dirname(file))}/{os.path.basename(file)}:{line}" if line else file
+            return f"  {tt * 1e3 / n:7.2f} own {ct * 1e3 / n:8.2f} cum ms/step {nc / n:8.0f} calls/step  {name}  {where}"
+
+        lines += [row(it) for it in sorted(st.items(), key=lambda kv: -kv[1][2])[:rows]]
+        ours = [it for it in st.items() if any(f"{os.sep}{pkg}{os.sep}" in it[0][0] for pkg in OUR_PACKAGES)]
+        lines.append(f"-- {kind}: our functions by cumulative time:")
+        lines += [row(it) for it in sorted(ours, key=lambda kv: -kv[1][3])[:rows]]
+    return lines
+
+
 @contextlib.contextmanager
 def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: str | os.PathLike) -> Iterator[None]:
     """Within this context, profile ``engine``'s steps ``window`` = (start, count), counted from the context's
@@ -165,7 +192,7 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
 
     start, count = window
     step = engine.step
-    state: dict[str, Any] = {"n": 0, "prof": None, "kinds": []}
+    state: dict[str, Any] = {"n": 0, "prof": None, "kinds": [], "py": {}}
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -185,6 +212,8 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
         if state["prof"] is None:
             return
         lines = step_kind_lines(_events(state["prof"]), state["kinds"], title)
+        kinds = state["kinds"]
+        lines += python_lines(state["py"], {k: kinds.count(k) for k in set(kinds)})
         with open(path, "a") as f:
             f.write("\n".join(lines) + "\n\n")
 
@@ -197,9 +226,19 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
             state["prof"] = torch.profiler.profile(activities=acts)
             state["prof"].__enter__()
         before = engine.stats.num_prefill_steps
+        py = cProfile.Profile()
         with torch.profiler.record_function(STEP_RANGE):
-            out = step()
-        state["kinds"].append("prefill-carrying" if engine.stats.num_prefill_steps > before else "decode-only")
+            py.enable()
+            try:
+                out = step()
+            finally:
+                py.disable()
+        kind = "prefill-carrying" if engine.stats.num_prefill_steps > before else "decode-only"
+        state["kinds"].append(kind)
+        if kind in state["py"]:
+            state["py"][kind].add(py)
+        else:
+            state["py"][kind] = pstats.Stats(py)
         if i == start + count - 1:
             stop()
         return out
