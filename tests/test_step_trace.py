@@ -16,6 +16,8 @@ def test_kernels_go_to_the_step_that_launched_them():
     events = [
         _ev(STEP_RANGE, "user_annotation", 0, 100), _ev(STEP_RANGE, "user_annotation", 100, 20),
         _ev(STEP_RANGE, "user_annotation", 120, 20),
+        # on CUDA the profiler repeats each range on the GPU timeline, once per stream: not steps
+        _ev(STEP_RANGE, "gpu_user_annotation", 10, 40), _ev(STEP_RANGE, "gpu_user_annotation", 20, 30),
         # step 0 (prefill-carrying): two launches and a sync; its second kernel runs after the step's host range
         _ev("cudaLaunchKernel", "cuda_runtime", 5, 1, correlation=1),
         _ev("cudaLaunchKernel", "cuda_runtime", 6, 1, correlation=2),

@@ -30,6 +30,8 @@ from typing import Any, Iterator
 STEP_RANGE = "oasisbench::step"
 #: Packages whose functions :func:`python_lines` also ranks by cumulative time (where a step's host time goes).
 OUR_PACKAGES = ("oasiskv_runtime", "oasisbench")
+#: How many of the top own-time functions :func:`python_lines` lists with their callers.
+CALLER_ROWS = 4
 #: Host CUDA runtime calls that block until the GPU (or a copy) is done.
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                   "cudaMemcpy2D", "cudaMemset")
@@ -113,7 +115,10 @@ def trace_lines(prof, title: str, steps: int, rows: int = 12, raw_copy: str | No
 def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int = 10) -> list[str]:
     """The per-kind summary (module docstring) of profiler ``events`` whose ``STEP_RANGE`` ranges are the steps
     of ``kinds`` (one kind per step, in order)."""
-    ranges = sorted((e for e in events if e.get("name") == STEP_RANGE), key=lambda e: e["ts"])
+    # the host ranges only: on CUDA each range also appears on the GPU timeline ("gpu_user_annotation", once per
+    # stream it launched on)
+    ranges = sorted((e for e in events if e.get("name") == STEP_RANGE and e.get("cat") == "user_annotation"),
+                    key=lambda e: e["ts"])
     lines = [f"==== {title}: {len(ranges)} profiled steps"]
     if len(ranges) != len(kinds):
         return lines + [f"  (step ranges {len(ranges)} != steps {len(kinds)}: not attributed)"]
@@ -168,12 +173,20 @@ def python_lines(stats: dict[str, pstats.Stats], steps: dict[str, int], rows: in
         total = sum(v[2] for v in st.values())
         lines.append(f"-- {kind}: Python own time {total * 1e3 / n:.2f} ms/step under cProfile; top by own time:")
 
-        def row(item) -> str:
-            (file, line, name), (_cc, nc, tt, ct, _callers) = item
-            where = f"{os.path.basename(os.path.dirname(file))}/{os.path.basename(file)}:{line}" if line else file
-            return f"  {tt * 1e3 / n:7.2f} own {ct * 1e3 / n:8.2f} cum ms/step {nc / n:8.0f} calls/step  {name}  {where}"
+        def where(key) -> str:
+            file, line, name = key
+            return f"{name}  {os.path.basename(os.path.dirname(file))}/{os.path.basename(file)}:{line}" if line \
+                else f"{name}  {file}"
 
-        lines += [row(it) for it in sorted(st.items(), key=lambda kv: -kv[1][2])[:rows]]
+        def row(item) -> str:
+            key, (_cc, nc, tt, ct, _callers) = item
+            return f"  {tt * 1e3 / n:7.2f} own {ct * 1e3 / n:8.2f} cum ms/step {nc / n:8.0f} calls/step  {where(key)}"
+
+        for i, item in enumerate(sorted(st.items(), key=lambda kv: -kv[1][2])[:rows]):
+            lines.append(row(item))
+            if i < CALLER_ROWS:  # who spends the top own times: a wait's caller says what it waits for
+                callers = sorted(item[1][4].items(), key=lambda kv: -kv[1][2])[:3]
+                lines += [f"            {c[2] * 1e3 / n:7.2f} ms/step from {where(k)}" for k, c in callers]
         ours = [it for it in st.items() if any(f"{os.sep}{pkg}{os.sep}" in it[0][0] for pkg in OUR_PACKAGES)]
         lines.append(f"-- {kind}: our functions by cumulative time:")
         lines += [row(it) for it in sorted(ours, key=lambda kv: -kv[1][3])[:rows]]
