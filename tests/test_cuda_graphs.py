@@ -57,6 +57,7 @@ def test_static_layout_equals_eager_cpu(tiny, mode):
     assert st_s["static_eager_steps"] > 0 and "static_eager_steps" not in st_e
     # Host time of decode steps outside the runner, and of laying a step out on the static buffers.
     assert st_s["decode_host_ms_per_step"] > 0 and st_e["decode_host_ms_per_step"] > 0
+    assert st_s["prefill_host_ms_per_step"] > 0 and st_e["prefill_host_ms_per_step"] > 0
     assert st_s["graph_prepare_ms_per_step"] > 0 and "graph_prepare_ms_per_step" not in st_e
     if mode in ("fetch-on-demand", "proxy-prefetch", "oasiskv"):
         assert st_s["fetched_blocks_per_step"] == st_e["fetched_blocks_per_step"] > 0

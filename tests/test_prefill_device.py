@@ -362,3 +362,31 @@ def test_dense_mixed_step_setup_does_not_synchronize(tiny64):
         while eng.has_unfinished():
             eng.step()
     assert calls
+
+
+def test_summary_runs_by_block_equal_token_runs_of_the_token_layout():
+    """The backend lays out a step's summary runs a block at a time; it must equal :func:`token_runs` of the
+    per-token rows (the layout it replaced) for mixed steps: chunks starting mid-block, decode rows, odd sizes."""
+    from types import SimpleNamespace
+
+    from oasiskv_runtime.attention.metadata import SeqSlice
+    from oasiskv_runtime.sparse.backend import SparseAttention
+
+    for seed in range(12):
+        gen = _gen(seed)
+        bs = (4, 16, 8)[seed % 3]
+        tables, seqs, row = {}, [], 0
+        free = torch.randperm(400, generator=gen).tolist()
+        for sid in range(1 + seed % 5):
+            ctx = int(torch.randint(1, 12 * bs, (1,), generator=gen))
+            nq = 1 if sid % 2 else int(torch.randint(1, ctx + 1, (1,), generator=gen))
+            tables[sid] = [free.pop() for _ in range(-(-ctx // bs) // bs + 1)]
+            seqs.append(SeqSlice(sid, row, nq, ctx, []))
+            row += nq
+        fake = SimpleNamespace(bs=bs, kv=SimpleNamespace(requests={i: SimpleNamespace(summary_blocks=t)
+                                                                   for i, t in tables.items()}))
+        fake._summary_row = lambda table, j: SparseAttention._summary_row(fake, table, j)
+        rows = [fake._summary_row(tables[s.seq_id], p // bs) for s in seqs
+                for p in range(s.context_len - s.num_query, s.context_len)]
+        reset = [p % bs == 0 for s in seqs for p in range(s.context_len - s.num_query, s.context_len)]
+        assert SparseAttention._summary_runs(fake, seqs) == su.token_runs(rows, reset, bs)

@@ -22,6 +22,8 @@ def test_kernels_go_to_the_step_that_launched_them():
         _ev("cudaLaunchKernel", "cuda_runtime", 5, 1, correlation=1),
         _ev("cudaLaunchKernel", "cuda_runtime", 6, 1, correlation=2),
         _ev("cudaStreamSynchronize", "cuda_runtime", 50, 40),
+        _ev("cuLaunchKernelEx", "cuda_driver", 7, 1, correlation=5),   # a cuBLASLt GEMM: a driver-API launch
+        _ev("gemm", "kernel", 60, 10, correlation=5, stream=7),
         _ev("attn", "kernel", 10, 30, correlation=1, stream=7),
         _ev("gather", "kernel", 20, 30, correlation=2, stream=9),      # overlaps attn: busy = 10..50 = 40
         # steps 1 and 2 (decode-only): one graph launch each, two kernels per launch
@@ -33,9 +35,10 @@ def test_kernels_go_to_the_step_that_launched_them():
     ]
     text = "\n".join(step_kind_lines(events, ["prefill-carrying", "decode-only", "decode-only"], "t"))
     assert "3 profiled steps" in text
-    assert "-- prefill-carrying: 1 steps, host wall 0.10 ms/step, GPU busy 0.04 ms/step (40% of the wall), " \
-           "kernel time summed 0.06 ms/step, 2 kernels/step" in text
+    assert "-- prefill-carrying: 1 steps, host wall 0.10 ms/step, GPU busy 0.05 ms/step (50% of the wall), " \
+           "kernel time summed 0.07 ms/step, 3 kernels/step" in text
     assert "host blocked in cudaStreamSynchronize: 1.0/step, 0.04 ms/step" in text
+    assert "host in CUDA API calls: 0.04 ms/step; cudaStreamSynchronize 1x 0.04 ms, cudaLaunchKernel 2x" in text
     assert "-- decode-only: 2 steps, host wall 0.02 ms/step, GPU busy 0.01 ms/step" in text
     assert "orphan" not in text
 

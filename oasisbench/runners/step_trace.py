@@ -32,9 +32,15 @@ STEP_RANGE = "oasisbench::step"
 OUR_PACKAGES = ("oasiskv_runtime", "oasisbench")
 #: How many of the top own-time functions :func:`python_lines` lists with their callers.
 CALLER_ROWS = 4
+#: How many of our top functions by cumulative time :func:`python_lines` lists with their callees.
+CALLEE_ROWS = 8
 #: Host CUDA runtime calls that block until the GPU (or a copy) is done.
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                  "cudaMemcpy2D", "cudaMemset")
+                  "cudaMemcpy2D", "cudaMemset", "cudaFree", "cudaFreeHost")
+#: Profiler categories of host-side CUDA API calls (runtime and driver).
+API_CATS = ("cuda_runtime", "cuda_driver")
+#: How many CUDA API calls the per-kind line names.
+API_ROWS = 8
 
 
 def parse_window(spec: str | None) -> tuple[int, int] | None:
@@ -128,8 +134,9 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
         i = bisect.bisect_right(starts, ts) - 1
         return i if i >= 0 and ts <= ranges[i]["ts"] + ranges[i]["dur"] else None
 
+    # kernels launched through the driver API (cuBLASLt's GEMMs: cuLaunchKernelEx) correlate to "cuda_driver"
     launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                 if e.get("cat") in API_CATS and "correlation" in e.get("args", {})}
     per_step_kernels: list[list[dict]] = [[] for _ in ranges]
     for e in events:
         if e.get("cat") != "kernel":
@@ -138,12 +145,12 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
         i = step_of(ts) if ts is not None else None
         if i is not None:
             per_step_kernels[i].append(e)
-    per_step_blocking: list[list[dict]] = [[] for _ in ranges]
+    per_step_api: list[list[dict]] = [[] for _ in ranges]
     for e in events:
-        if e.get("cat") == "cuda_runtime" and e.get("name") in BLOCKING_CALLS:
+        if e.get("cat") in API_CATS:
             i = step_of(e["ts"])
             if i is not None:
-                per_step_blocking[i].append(e)
+                per_step_api[i].append(e)
     for kind in sorted(set(kinds)):
         idx = [i for i, k in enumerate(kinds) if k == kind]
         n = len(idx)
@@ -154,9 +161,14 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
         lines.append(f"-- {kind}: {n} steps, host wall {wall / 1e3 / n:.2f} ms/step, GPU busy {busy / 1e3 / n:.2f} "
                      f"ms/step ({100 * busy / wall if wall else 0:.0f}% of the wall), kernel time summed "
                      f"{summed / 1e3 / n:.2f} ms/step, {len(kernels) / n:.0f} kernels/step")
-        blocking = [e for i in idx for e in per_step_blocking[i]]
-        for name, cnt, d in _tally(blocking, lambda e: e["name"]):
+        api = [e for i in idx for e in per_step_api[i]]
+        for name, cnt, d in _tally([e for e in api if e["name"] in BLOCKING_CALLS], lambda e: e["name"]):
             lines.append(f"  host blocked in {name}: {cnt / n:.1f}/step, {d / 1e3 / n:.2f} ms/step")
+        # every CUDA API call by the host's time in it: a launch that waits for a full queue, an allocation
+        # that frees cached memory (cudaFree synchronises the device), a copy from pageable memory
+        calls = _tally(api, lambda e: e["name"])
+        lines.append(f"  host in CUDA API calls: {sum(d for _, _, d in calls) / 1e3 / n:.2f} ms/step; "
+                     + ", ".join(f"{name} {cnt / n:.0f}x {d / 1e3 / n:.2f} ms" for name, cnt, d in calls[:API_ROWS]))
         if kernels:
             lines += _kernel_lines(kernels, n, rows)
     return lines
@@ -188,9 +200,23 @@ def python_lines(stats: dict[str, pstats.Stats], steps: dict[str, int], rows: in
                 callers = sorted(item[1][4].items(), key=lambda kv: -kv[1][2])[:3]
                 lines += [f"            {c[2] * 1e3 / n:7.2f} ms/step from {where(k)}" for k, c in callers]
         ours = [it for it in st.items() if any(f"{os.sep}{pkg}{os.sep}" in it[0][0] for pkg in OUR_PACKAGES)]
-        lines.append(f"-- {kind}: our functions by cumulative time:")
-        lines += [row(it) for it in sorted(ours, key=lambda kv: -kv[1][3])[:rows]]
+        lines.append(f"-- {kind}: our functions by cumulative time, the first {CALLEE_ROWS} with what they call:")
+        callees = _callees(st)
+        for i, item in enumerate(sorted(ours, key=lambda kv: -kv[1][3])[:rows]):
+            lines.append(row(item))
+            if i < CALLEE_ROWS:
+                top = sorted(callees.get(item[0], {}).items(), key=lambda kv: -kv[1])[:6]
+                lines += [f"            {ct * 1e3 / n:7.2f} ms/step in {where(k)}" for k, ct in top]
     return lines
+
+
+def _callees(st: dict) -> dict:
+    """caller -> {callee: cumulative time of the callee's calls from that caller}, from pstats' caller lists."""
+    out: dict = {}
+    for callee, (_cc, _nc, _tt, _ct, callers) in st.items():
+        for caller, c in callers.items():
+            out.setdefault(caller, {})[callee] = c[3]
+    return out
 
 
 @contextlib.contextmanager

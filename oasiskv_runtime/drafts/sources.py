@@ -72,11 +72,17 @@ class NgramDraft(_NoObserve):
         start = max(min(first, n_tok) - self.max_n, 0)
         tail = window(start, n_tok)
         # An n-gram ending at i-1 gets "next token at i" once token i exists; later occurrences overwrite
-        # earlier ones, so the table always holds the most recent occurrence.
-        for i in range(first, n_tok):
+        # earlier ones (dict.update keeps the last value of a repeated key), so the table always holds the most
+        # recent occurrence. Built with zip, not a loop per token: a new request indexes its whole prompt at once
+        # (16K tokens: ~3x faster, and this runs on the host in a step that carries a prefill).
+        if n_tok > first:
+            tail = list(tail)
             for n in range(1, self.max_n + 1):
-                if i - n >= 0:
-                    table[tuple(tail[i - n - start:i - start])] = i
+                lo = max(first, n)  # the first i with a whole n-gram before it
+                if lo >= n_tok:
+                    continue
+                grams = zip(*(tail[lo - n - start + m:n_tok - n - start + m] for m in range(n)))
+                table.update(zip(grams, range(lo, n_tok)))
         self._last_state = (n_tok, table)
         self.last_match = 0
         for n in range(min(self.max_n, n_tok - 1), 0, -1):

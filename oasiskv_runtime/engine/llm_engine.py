@@ -54,6 +54,9 @@ class EngineStats:
     decode_host_seconds: float = 0.0
     """Of decode-only steps: host time outside the model runner (scheduling, draft proposals, bookkeeping of the
     sampled tokens). The runner's sampling waits for the GPU, so with CUDA graphs the GPU idles through it."""
+    prefill_host_seconds: float = 0.0
+    """The same for prefill-carrying steps (admission into the pools is scheduling; a new request's n-gram index
+    is a draft proposal)."""
 
     @property
     def max_running_batch(self) -> int:
@@ -309,8 +312,11 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason, now)
                 finished.append(seq)
+        host = (t_exec - t_start) + (time.perf_counter() - t_sampled)
         if decode_only:
-            self.stats.decode_host_seconds += (t_exec - t_start) + (time.perf_counter() - t_sampled)
+            self.stats.decode_host_seconds += host
+        else:
+            self.stats.prefill_host_seconds += host
         return finished
 
     def _release(self, seq_id: int) -> None:
@@ -386,6 +392,8 @@ class LLMEngine:
                                    if st.num_steps else None),
             "decode_host_ms_per_step": (st.decode_host_seconds * 1e3 / (st.num_steps - st.num_prefill_steps)
                                         if st.num_steps > st.num_prefill_steps else None),
+            "prefill_host_ms_per_step": (st.prefill_host_seconds * 1e3 / st.num_prefill_steps
+                                         if st.num_prefill_steps else None),
         }
         if self.config.device.startswith("cuda"):
             out["peak_torch_allocated_bytes"] = torch.cuda.max_memory_allocated(torch.device(self.config.device))

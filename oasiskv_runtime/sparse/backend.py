@@ -31,7 +31,7 @@ from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
 from oasiskv_runtime.ops.select_plan import select_plan
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
-from oasiskv_runtime.ops.summary_update import token_runs, update_summaries, update_summaries_runs
+from oasiskv_runtime.ops.summary_update import update_summaries, update_summaries_runs
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.uva_gather import (PoolTier, uva_gather, uva_gather_blocks, uva_gather_blocks_ref,
                                             uva_scatter_rows)
@@ -447,19 +447,40 @@ class SparseAttention:
         """``(rows, reset, None)``: the flat summary row and reset flag of every written token (one row per
         logical block; each row at most once, decode); with ``runs`` (a prefill chunk in the step)
         ``(None, None, layout)``: the run layout of :func:`update_summaries_runs` instead."""
-        bs = self.bs
+        bs, dev = self.bs, self.device
+        if runs:
+            pad_idx, run_rows, run_reset = self._summary_runs(meta.seqs)
+            return None, None, (host_list_to(pad_idx, torch.long, dev), host_list_to(run_rows, torch.long, dev),
+                                host_list_to(run_reset, torch.bool, dev))
         rows, reset = [], []
         for s in meta.seqs:
             table = self.kv.requests[s.seq_id].summary_blocks
             for p in range(s.context_len - s.num_query, s.context_len):
                 rows.append(self._summary_row(table, p // bs))
                 reset.append(p % bs == 0)
-        dev = self.device
-        if runs:
-            pad_idx, run_rows, run_reset = token_runs(rows, reset, bs)
-            return None, None, (host_list_to(pad_idx, torch.long, dev), host_list_to(run_rows, torch.long, dev),
-                                host_list_to(run_reset, torch.bool, dev))
         return host_list_to(rows, torch.long, dev), host_list_to(reset, torch.bool, dev), None
+
+    def _summary_runs(self, seqs: list[SeqSlice]) -> tuple[list[int], list[int], list[bool]]:
+        """:func:`token_runs` of the step's written tokens, built a logical block at a time (a sequence's positions
+        are consecutive and each block has its own summary row), not a token at a time: an 8K-token chunk is 512
+        runs, and this runs on the host before the step's first launch."""
+        bs = self.bs
+        pad_idx: list[int] = []
+        run_rows: list[int] = []
+        run_reset: list[bool] = []
+        i = 0  # the run's first token among the written rows (``written_rows`` order: by sequence, by position)
+        for s in seqs:
+            table = self.kv.requests[s.seq_id].summary_blocks
+            p, end = s.context_len - s.num_query, s.context_len
+            while p < end:
+                j, off = divmod(p, bs)
+                n = min(bs - off, end - p)
+                pad_idx += range(i, i + n)
+                pad_idx += [i] * (bs - n)
+                run_rows.append(self._summary_row(table, j))
+                run_reset.append(off == 0)
+                i, p = i + n, p + n
+        return pad_idx, run_rows, run_reset
 
     def _decode_vectors(self, seq_ids: list[int], ctxs: list[int]) -> dict[str, list[int]]:
         """Per-request decode-step values (eager batches and the static layout alike): state row, active block
