@@ -21,7 +21,8 @@ def test_kernels_go_to_the_step_that_launched_them():
         # step 0 (prefill-carrying): two launches and a sync; its second kernel runs after the step's host range
         _ev("cudaLaunchKernel", "cuda_runtime", 5, 1, correlation=1),
         _ev("cudaLaunchKernel", "cuda_runtime", 6, 1, correlation=2),
-        _ev("cudaStreamSynchronize", "cuda_runtime", 50, 40),
+        _ev("cudaStreamSynchronize", "cuda_runtime", 50, 40, **{"External id": 11}),
+        _ev("aten::_local_scalar_dense", "cpu_op", 49, 42, **{"External id": 11, "Input Dims": [[4, 3]]}),
         _ev("cuLaunchKernelEx", "cuda_driver", 7, 1, correlation=5),   # a cuBLASLt GEMM: a driver-API launch
         _ev("gemm", "kernel", 60, 10, correlation=5, stream=7),
         _ev("attn", "kernel", 10, 30, correlation=1, stream=7),
@@ -39,6 +40,7 @@ def test_kernels_go_to_the_step_that_launched_them():
            "kernel time summed 0.07 ms/step, 3 kernels/step" in text
     assert "host blocked in cudaStreamSynchronize: 1.0/step, 0.04 ms/step" in text
     assert "host in CUDA API calls: 0.04 ms/step; cudaStreamSynchronize 1x 0.04 ms, cudaLaunchKernel 2x" in text
+    assert "0.04 ms/step    1.0/step  cudaStreamSynchronize in aten::_local_scalar_dense [4,3]" in text
     assert "-- decode-only: 2 steps, host wall 0.02 ms/step, GPU busy 0.01 ms/step" in text
     assert "orphan" not in text
 

@@ -118,6 +118,12 @@ def trace_lines(prof, title: str, steps: int, rows: int = 12, raw_copy: str | No
     return lines + _kernel_lines(kernels, steps, rows)
 
 
+def _op_label(e: dict) -> str:
+    """An operator and the shapes of its tensor inputs (``record_shapes``), e.g. ``aten::copy_ [8192,8,128] [...]``."""
+    dims = " ".join(str(d).replace(" ", "") for d in e.get("args", {}).get("Input Dims", []) if d)
+    return f"{e['name']} {dims}"[:110].rstrip()
+
+
 def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int = 10) -> list[str]:
     """The per-kind summary (module docstring) of profiler ``events`` whose ``STEP_RANGE`` ranges are the steps
     of ``kinds`` (one kind per step, in order)."""
@@ -145,6 +151,8 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
         i = step_of(ts) if ts is not None else None
         if i is not None:
             per_step_kernels[i].append(e)
+    ops = {e["args"]["External id"]: _op_label(e) for e in events
+           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
     per_step_api: list[list[dict]] = [[] for _ in ranges]
     for e in events:
         if e.get("cat") in API_CATS:
@@ -169,6 +177,10 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
         calls = _tally(api, lambda e: e["name"])
         lines.append(f"  host in CUDA API calls: {sum(d for _, _, d in calls) / 1e3 / n:.2f} ms/step; "
                      + ", ".join(f"{name} {cnt / n:.0f}x {d / 1e3 / n:.2f} ms" for name, cnt, d in calls[:API_ROWS]))
+        # ... and by the operator that made them (its input shapes tell e.g. a pool copy from a sampled-token read)
+        for (name, op), cnt, d in _tally(api, lambda e: (e["name"], ops.get(e.get("args", {}).get("External id"),
+                                                                            "(no op)")))[:API_ROWS]:
+            lines.append(f"    {d / 1e3 / n:7.2f} ms/step {cnt / n:6.1f}/step  {name} in {op}")
         if kernels:
             lines += _kernel_lines(kernels, n, rows)
     return lines
@@ -262,7 +274,7 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
         if not start <= i < start + count:
             return step()
         if state["prof"] is None:
-            state["prof"] = torch.profiler.profile(activities=acts)
+            state["prof"] = torch.profiler.profile(activities=acts, record_shapes=True)
             state["prof"].__enter__()
         before = engine.stats.num_prefill_steps
         py = cProfile.Profile()
