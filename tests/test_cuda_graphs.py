@@ -105,6 +105,25 @@ def test_static_layout_split_steps_equal_eager_cpu(tiny, mode):
     assert static == eager
 
 
+def test_split_steps_sample_after_launching_their_prefill_part(tiny, monkeypatch):
+    """Sampling reads tokens back (on CUDA the host waits for the GPU), so a split step samples its decode
+    part only once its prefill part is launched: no sample between the two parts."""
+    import oasiskv_runtime.engine.model_runner as mr
+    from oasiskv_runtime.sparse.backend import SparseAttention
+
+    events: list[str] = []
+    real_sample, real_begin = mr.sample, SparseAttention.begin_step
+    monkeypatch.setattr(mr, "sample", lambda *a, **k: events.append("sample") or real_sample(*a, **k))
+    monkeypatch.setattr(SparseAttention, "begin_step",
+                        lambda self, meta: events.append("static" if meta.extra.get("static") is not None
+                                                         else "eager") or real_begin(self, meta))
+    _, st = staggered(tiny, "oasiskv", "static")
+    assert st["split_steps"] > 5
+    steps = "".join({"sample": "s", "static": "|d", "eager": "e"}[e] for e in events).split("|")
+    split = [x for x in steps if x.startswith("de")]
+    assert len(split) == st["split_steps"] and all(x.startswith("dess") or x == "des" for x in split), split[:5]
+
+
 def test_static_layout_survives_preemption(tiny):
     # Room for 40 blocks of 4 tokens (the three requests need 59): requests are preempted, recomputed, and
     # their static rows freed and reused.

@@ -59,14 +59,14 @@ def copy_runs(runs: list[PoolRun], pool: tuple[torch.Tensor, torch.Tensor],
     tier's) and ``buf`` (``[rows, Hkv, D]`` K and V): into the pool when ``to_pool``, else out of it. Each run
     and tensor is one ``copy_`` (non-blocking: an asynchronous copy on the current stream between pinned host
     and device memory)."""
+    flat = [None if part is None else [p.view(-1, *p.shape[2:]) for p in part] for part in (pool, tier)]
     for r in runs:
-        part = tier if r.tier else pool
+        part = flat[1] if r.tier else flat[0]
         if part is None:
             raise ValueError("a run in the device tier, and no tier given")
         ps, bs = slice(r.pool_row, r.pool_row + r.length), slice(r.buf_row, r.buf_row + r.length)
         for p, b in zip(part, buf):
-            flat = p.view(-1, *p.shape[2:])
             if to_pool:
-                flat[ps].copy_(b[bs], non_blocking=True)
+                p[ps].copy_(b[bs], non_blocking=True)
             else:
-                b[bs].copy_(flat[ps], non_blocking=True)
+                b[bs].copy_(p[ps], non_blocking=True)
