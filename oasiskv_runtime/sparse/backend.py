@@ -543,7 +543,8 @@ class SparseAttention:
         if b is not None and b.local_rows is not None:
             self.dev_cache.write(layer, b.local_rows, k[b.q_rows], v[b.q_rows])
         if self._runs is not None:
-            update_summaries_runs(k[w], *self._runs, self.dev_cache.k[layer], self.dev_cache.v[layer])
+            update_summaries_runs(k[w], *self._runs, self.dev_cache.k[layer], self.dev_cache.v[layer],
+                                  backend="auto" if self.use_kernels else "ref")
         elif self._sum_rows.numel():  # decode rows only: one token per summary row
             update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer],
                              assume_distinct=True)
