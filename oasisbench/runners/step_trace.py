@@ -188,8 +188,10 @@ def step_kind_lines(events: list[dict], kinds: list[str], title: str, rows: int 
 
 def python_lines(stats: dict[str, pstats.Stats], steps: dict[str, int], rows: int = 15) -> list[str]:
     """Per step kind, the Python functions with the most own time (cProfile's tottime) over that kind's profiled
-    steps, per step: own ms, cumulative ms, calls. cProfile slows Python code (roughly 1.5-2x), so read shares
-    and call counts, not absolute times."""
+    steps, per step: own ms, cumulative ms, calls. cProfile adds overhead to every Python call, so read shares
+    and call counts, not absolute times. On Python 3.12 its events come from every thread (seen on the H200: the
+    progress bar's refresh thread, waiting in ``threading.wait``, appears as ``_thread.lock.acquire`` and inside
+    unrelated callers' lists): ignore rows of threads that are not the engine's."""
     lines = []
     for kind in sorted(stats):
         n = max(steps.get(kind, 1), 1)
