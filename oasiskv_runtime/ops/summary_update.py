@@ -193,6 +193,8 @@ def _update_summaries_runs_triton(k_new, pad_idx, run_rows, run_reset, sum_min, 
     K = _kernels()
     if k_new.stride(-1) != 1:
         k_new = k_new.contiguous()
+    if run_reset.dtype == torch.bool:
+        run_reset = run_reset.view(torch.uint8)  # same bytes, no copy: the kernel reads a byte per run
     HD = hkv * d
     BLOCK = min(1024, _next_pow2(HD))
     grid = (R, triton.cdiv(HD, BLOCK))
