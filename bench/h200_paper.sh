@@ -9,8 +9,9 @@
 #
 # BUDGET_S: seconds this script may take in all (default 585); TEST_S: seconds kept for the tests at the end
 # (0: no tests); TESTS: the pytest paths to run (default: the prefill path's); RESUME: a run directory in the working tree to continue (its finished points are skipped);
-# TRACE: START:COUNT, profile those engine steps of every point (`--trace-steps`; the summary per step kind lands
-# in $OUT/traces.txt; the profiled steps run slower, so that point's timings are marked `traced_steps`).
+# TRACE: START:COUNT[,START:COUNT...], profile those engine steps of every point (`--trace-steps`; the summary per
+# window and step kind lands in $OUT/traces.txt; the profiled steps run slower, so that point's timings are marked
+# `traced_steps`).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"

@@ -48,7 +48,10 @@ def test_kernels_go_to_the_step_that_launched_them():
 def test_mismatched_steps_are_not_attributed_and_windows_parse():
     lines = step_kind_lines([_ev(STEP_RANGE, "user_annotation", 0, 1)], ["decode-only", "decode-only"], "t")
     assert "not attributed" in lines[-1]
-    assert parse_window("40:30") == (40, 30) and parse_window("") is None
-    for bad in ("40", "a:b", "-1:3", "3:0"):
+    assert parse_window("40:30") == ((40, 30),) and parse_window("") is None
+    assert parse_window("150:20,20:40") == ((20, 40), (150, 20))
+    for bad in ("40", "a:b", "-1:3", "3:0", "5:2,"):
         with pytest.raises(ValueError, match="START:COUNT"):
             parse_window(bad)
+    with pytest.raises(ValueError, match="overlap"):
+        parse_window("20:40,50:5")

@@ -339,6 +339,15 @@ def test_trace_steps_writes_a_per_kind_summary(tiny, tmp_path):
     assert "engine.py" in text
     records = json.loads((run / "metrics.json").read_text())["records"]
     assert len(records) == 2 and all(rec["metrics"]["traced_steps"] == "0:5" for rec in records)
+    # two windows: one trace each (step 0; steps 2-3, of which only step 2 runs)
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--modes", "oasiskv", "--concurrency", "2",
+                            "--trace-steps", "2:2,0:1", "--output-dir", str(tmp_path / "two"), *SMALL])
+    assert r.exit_code == 0, r.output
+    run = run_dir_of(r.output)
+    text = (run / "traces.txt").read_text()
+    assert "steps 0-0: 1 profiled steps" in text and "steps 2-3: 1 profiled steps" in text
+    assert "-- prefill-carrying: 1 steps" in text and "-- decode-only: 1 steps" in text
+    assert json.loads((run / "metrics.json").read_text())["records"][0]["metrics"]["traced_steps"] == "0:1,2:2"
     bad = runner.invoke(app, ["throughput", "--model", tiny, "--trace-steps", "4", "--output-dir",
                               str(tmp_path / "bad"), *SMALL])
     assert bad.exit_code == 2 and "START:COUNT" in bad.output and not (tmp_path / "bad").exists()

@@ -26,9 +26,10 @@ from oasisbench.results.store import RunStore, atomic_write_text
 
 OutputDirOpt = Annotated[Path, typer.Option("--output-dir", "-o", help="Runs go to <output-dir>/<suite>/<run-id>/.")]
 TraceOpt = Annotated[str | None, typer.Option(
-    "--trace-steps", help="START:COUNT: profile engine steps START..START+COUNT-1 of every point (torch.profiler) "
-    "and append, per step kind (prefill-carrying / decode-only), host wall time, GPU busy time, kernels per "
-    "stream and the host's blocking CUDA calls to traces.txt in the run directory. Those steps run slower.",
+    "--trace-steps", help="START:COUNT[,START:COUNT...]: profile engine steps START..START+COUNT-1 of every point "
+    "(torch.profiler and cProfile, one trace per window) and append, per step kind (prefill-carrying / "
+    "decode-only), host wall time, GPU busy time, kernels per stream, the host's time in CUDA API calls and a "
+    "Python profile to traces.txt in the run directory. Those steps run slower.",
     show_default=False)]
 ResumeOpt = Annotated[Path | None, typer.Option(
     "--resume", help="Continue this run directory: recorded points are skipped, failed ones retried.",
@@ -76,7 +77,7 @@ def open_store(output_dir: Path, suite: str, resume: Path | None) -> RunStore:
         raise fail(str(e)) from None
 
 
-def trace_window(trace_steps: str | None) -> tuple[int, int] | None:
+def trace_window(trace_steps: str | None) -> tuple[tuple[int, int], ...] | None:
     """``--trace-steps`` parsed (exit 2 on a malformed value, before any run directory is made)."""
     from oasisbench.runners.step_trace import parse_window
 
@@ -87,7 +88,7 @@ def trace_window(trace_steps: str | None) -> tuple[int, int] | None:
 
 
 def execute(points: list[dict[str, Any]], store: RunStore, gate: Path | None = None,
-            window: tuple[int, int] | None = None) -> None:
+            window: tuple[tuple[int, int], ...] | None = None) -> None:
     """Run the sweep with a progress bar, then write plots and report.md; exit 1 if a point failed.
 
     ``gate``: the suite's baseline file, printed as the command that checks this run against it.

@@ -43,17 +43,35 @@ API_CATS = ("cuda_runtime", "cuda_driver")
 API_ROWS = 8
 
 
-def parse_window(spec: str | None) -> tuple[int, int] | None:
-    """``"START:COUNT"`` -> (start, count); None or "" -> None. Raises ValueError naming the format."""
+#: A ``--trace-steps`` value parsed: (start, count) windows, in step order, not overlapping.
+Windows = tuple[tuple[int, int], ...]
+
+
+def parse_window(spec: str | None) -> Windows | None:
+    """``"START:COUNT[,START:COUNT...]"`` -> ((start, count), ...) in step order; None or "" -> None. Raises
+    ValueError naming the format, or the windows that overlap."""
     if not spec:
         return None
-    try:
-        start, count = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"--trace-steps takes START:COUNT (engine steps, e.g. 40:30), got {spec!r}") from None
-    if start < 0 or count < 1:
-        raise ValueError(f"--trace-steps START:COUNT needs START >= 0 and COUNT >= 1, got {spec!r}")
-    return start, count
+    out = []
+    for part in spec.split(","):
+        try:
+            start, count = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"--trace-steps takes START:COUNT (engine steps, e.g. 40:30; several comma-separated), "
+                             f"got {spec!r}") from None
+        if start < 0 or count < 1:
+            raise ValueError(f"--trace-steps START:COUNT needs START >= 0 and COUNT >= 1, got {spec!r}")
+        out.append((start, count))
+    out.sort()
+    for (a, n), (b, _) in zip(out, out[1:]):
+        if a + n > b:
+            raise ValueError(f"--trace-steps windows overlap: {a}:{n} and the one starting at {b}")
+    return tuple(out)
+
+
+def window_label(windows: Windows) -> str:
+    """The canonical ``START:COUNT,...`` text of parsed windows (what a traced record is marked with)."""
+    return ",".join(f"{a}:{n}" for a, n in windows)
 
 
 def _events(prof, raw_copy: str | None = None) -> list[dict]:
@@ -234,50 +252,55 @@ def _callees(st: dict) -> dict:
 
 
 @contextlib.contextmanager
-def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: str | os.PathLike) -> Iterator[None]:
-    """Within this context, profile ``engine``'s steps ``window`` = (start, count), counted from the context's
-    first step; at exit append :func:`step_kind_lines` to ``path`` (exporting and reading a trace takes seconds
-    to minutes: time the run inside the context, as :func:`run_point` does). No window: nothing is changed."""
-    if window is None:
+def traced_steps(engine: Any, windows: Windows | None, title: str, path: str | os.PathLike) -> Iterator[None]:
+    """Within this context, profile ``engine``'s steps in ``windows`` ((start, count) each, counted from the
+    context's first step), one profiler per window; at exit append each window's :func:`step_kind_lines` and
+    :func:`python_lines` to ``path`` (exporting and reading a trace takes seconds to minutes: time the run inside
+    the context, as :func:`run_point` does). No windows: nothing is changed."""
+    if not windows:
         yield
         return
     import torch
 
-    start, count = window
     step = engine.step
-    state: dict[str, Any] = {"n": 0, "prof": None, "kinds": [], "py": {}}
+    n_step = [0]
+    # per window: its torch profiler (None until its first step), the kind of each of its steps, Python stats
+    traces: list[dict[str, Any]] = [{"prof": None, "kinds": [], "py": {}, "stopped": False} for _ in windows]
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
 
-    def stop() -> None:
-        """End the profiled window (the trace is summarised at the context's exit, outside the timed run)."""
-        prof = state["prof"]
-        if prof is None or state.get("stopped"):
+    def stop(tr: dict) -> None:
+        """End a profiled window (its trace is summarised at the context's exit, outside the timed run)."""
+        if tr["prof"] is None or tr["stopped"]:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        prof.__exit__(None, None, None)
-        state["stopped"] = True
+        tr["prof"].__exit__(None, None, None)
+        tr["stopped"] = True
 
     def report() -> None:
-        stop()
-        if state["prof"] is None:
-            return
-        lines = step_kind_lines(_events(state["prof"]), state["kinds"], title)
-        kinds = state["kinds"]
-        lines += python_lines(state["py"], {k: kinds.count(k) for k in set(kinds)})
-        with open(path, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+        for (start, count), tr in zip(windows, traces):
+            stop(tr)
+            if tr["prof"] is None:
+                continue
+            kinds = tr["kinds"]
+            label = f"{title} steps {start}-{start + count - 1}" if len(windows) > 1 else title
+            lines = step_kind_lines(_events(tr["prof"]), kinds, label)
+            lines += python_lines(tr["py"], {k: kinds.count(k) for k in set(kinds)})
+            with open(path, "a") as f:
+                f.write("\n".join(lines) + "\n\n")
 
     def traced_step():
-        i = state["n"]
-        state["n"] += 1
-        if not start <= i < start + count:
+        i = n_step[0]
+        n_step[0] += 1
+        w = next((j for j, (a, n) in enumerate(windows) if a <= i < a + n), None)
+        if w is None:
             return step()
-        if state["prof"] is None:
-            state["prof"] = torch.profiler.profile(activities=acts, record_shapes=True)
-            state["prof"].__enter__()
+        tr = traces[w]
+        if tr["prof"] is None:
+            tr["prof"] = torch.profiler.profile(activities=acts, record_shapes=True)
+            tr["prof"].__enter__()
         before = engine.stats.num_prefill_steps
         py = cProfile.Profile()
         with torch.profiler.record_function(STEP_RANGE):
@@ -287,13 +310,13 @@ def traced_steps(engine: Any, window: tuple[int, int] | None, title: str, path: 
             finally:
                 py.disable()
         kind = "prefill-carrying" if engine.stats.num_prefill_steps > before else "decode-only"
-        state["kinds"].append(kind)
-        if kind in state["py"]:
-            state["py"][kind].add(py)
+        tr["kinds"].append(kind)
+        if kind in tr["py"]:
+            tr["py"][kind].add(py)
         else:
-            state["py"][kind] = pstats.Stats(py)
-        if i == start + count - 1:
-            stop()
+            tr["py"][kind] = pstats.Stats(py)
+        if i == windows[w][0] + windows[w][1] - 1:
+            stop(tr)
         return out
 
     engine.step = traced_step

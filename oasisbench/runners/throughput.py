@@ -322,16 +322,17 @@ def _git_commit() -> str | None:
 
 
 def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Progress | None = None,
-                   trace_window: tuple[int, int] | None = None) -> None:
+                   trace_window: tuple[tuple[int, int], ...] | None = None) -> None:
     """Run every point not already recorded in ``store``; write config.json, env.json and metrics.json.
-    ``trace_window`` (start, count): profile those engine steps of each point run into ``traces.txt`` in the run
-    directory (the profiled steps are slower: their point's timings are marked ``traced_steps``).
+    ``trace_window`` ((start, count), ...): profile those engine steps of each point run into ``traces.txt`` in the
+    run directory (the profiled steps are slower: their point's timings are marked ``traced_steps``).
 
     Raises ``ValueError`` (before running anything) for invalid points; see the module docstring.
     ``progress`` gets one task per point, advanced per finished request; :func:`summary_table` renders
     the result.
     """
     from oasiskv_runtime.models.presets import preset_names
+    from oasisbench.runners.step_trace import window_label
 
     planned = plan_points(points)
     store.write_config({
@@ -349,7 +350,7 @@ def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Prog
         trace = (trace_window, store.path / "traces.txt") if trace_window is not None else None
         metrics = run_point(pp, cache, progress, trace)
         if trace_window is not None:
-            metrics["traced_steps"] = f"{trace_window[0]}:{trace_window[1]}"
+            metrics["traced_steps"] = window_label(trace_window)
         store.add_record(pp.point, metrics)
     cache.drop()
 
