@@ -216,3 +216,22 @@ def test_sink_blocks_sweep_runs_one_engine_per_value_and_bad_sinks_fail_first(ti
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
         assert r.exit_code != 0 and "sink_blocks" in r.output and "top_k_blocks" in r.output, (bad, r.output)
         assert not (tmp_path / "bad").exists()  # refused before any engine ran
+
+
+def test_dense_layers_option_and_sweep_reach_the_engine_as_leading_layers(tiny, tmp_path):
+    """--dense-layers N / --sweep dense_layers=...: the first N layers attend densely in the sparse modes (the
+    engine gets their indices); a count past the model's layers or below 0 is refused before any engine runs."""
+    from oasisbench.runners.accuracy import _engine_opts
+
+    cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("sparse-resident",), dense_layers=2,
+                         sweep=("dense_layers", (0.0, 3.0)), top_k_blocks=8, output_dir=tmp_path)
+    assert cfg.settings() == [("dense", {}), ("sparse-resident", {"dense_layers": 0}),
+                              ("sparse-resident", {"dense_layers": 3})]
+    assert _engine_opts(cfg, {})["dense_layers"] == (0, 1)
+    assert _engine_opts(cfg, {"dense_layers": 3})["dense_layers"] == (0, 1, 2)
+    assert _engine_opts(cfg, {"dense_layers": 0})["dense_layers"] == ()
+    for bad in (["--dense-layers", "-1"], ["--sweep", "dense_layers=0,99"]):
+        r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "sparse-resident",
+                                *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
+        assert r.exit_code != 0 and "dense_layers" in r.output.replace("-", "_"), (bad, r.output)
+        assert not (tmp_path / "bad").exists()

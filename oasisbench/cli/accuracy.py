@@ -89,13 +89,15 @@ def accuracy_cmd(
     fetch_ratio: FetchRatioOpt = 0.05,
     sink_blocks: Annotated[int, typer.Option("--sink-blocks", help="Leading blocks every sparse mode always "
                                              "attends (attention sinks), counted in --top-k-blocks.")] = 0,
+    dense_layers: Annotated[int, typer.Option("--dense-layers", help="The first N layers attend over the whole "
+                                              "context in every sparse mode (Quest's default: 2; the paper's: 0).")] = 0,
     draft: DraftOpt = "ngram",
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 256,
     max_gen_toks: Annotated[int | None, typer.Option("--max-gen-toks", help="Override every task's generation "
                                                      "budget (smoke runs).")] = None,
     sweep: Annotated[str | None, typer.Option("--sweep", help="top_k_blocks=64,128,192 or "
-                                              "fetch_ratio=0.01,0.05,0.1,1.0 or sink_blocks=0,1,4: one run per value per sparse mode."
-                                              )] = None,
+                                              "fetch_ratio=0.01,0.05,0.1,1.0 or sink_blocks=0,1,4 or dense_layers=0,2: one run "
+                                              "per value per sparse mode.")] = None,
     output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Results root.")] = Path("results"),
     seed: SeedOpt = 0,
     list_only: Annotated[bool, typer.Option("--list-tasks", help="List tasks, data sources and whether data is "
@@ -122,7 +124,8 @@ def accuracy_cmd(
             tasks=_split(task, str, "--task"), model=model, modes=_split(modes, str, "--modes"), limit=limit,
             num_samples=num_samples, data_dir=data_dir, context_lens=_split(context_len, int, "--context-len"),
             depths=_split(depths, float, "--depths"), device=device, dtype=default_dtype(dtype, device),
-            top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, sink_blocks=sink_blocks, draft=draft,
+            top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, sink_blocks=sink_blocks, dense_layers=dense_layers,
+            draft=draft,
             kv_cache_gb=kv_cache_gb,
             max_num_seqs=max_num_seqs, max_gen_toks=max_gen_toks, sweep=_sweep(sweep), seed=seed,
             output_dir=output_dir)

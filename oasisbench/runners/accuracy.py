@@ -33,8 +33,8 @@ from typing import Any, Callable
 from oasisbench.accuracy import tasks as T
 from oasisbench.results.store import RunStore, atomic_write_json, atomic_write_text
 
-SWEEP_KEYS = ("top_k_blocks", "fetch_ratio", "sink_blocks")
-_INT_SWEEP_KEYS = ("top_k_blocks", "sink_blocks")
+SWEEP_KEYS = ("top_k_blocks", "fetch_ratio", "sink_blocks", "dense_layers")
+_INT_SWEEP_KEYS = ("top_k_blocks", "sink_blocks", "dense_layers")
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 #: NIAH samples per (task, context length) when --limit is not given: two per default depth.
 DEFAULT_NIAH_LIMIT = 10
@@ -64,6 +64,9 @@ class AccuracyConfig:
     fetch_ratio: float = 0.05
     sink_blocks: int = 0
     """Leading blocks every sparse mode always attends (attention sinks); part of the top-K budget."""
+    dense_layers: int = 0
+    """The first N layers attend over the whole context in every sparse mode (Quest keeps its first two dense);
+    the paper's configuration has none."""
     draft: str = "ngram"
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
@@ -82,6 +85,8 @@ class AccuracyConfig:
         object.__setattr__(self, "modes", ("dense", *dict.fromkeys(modes)))
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if self.dense_layers < 0:
+            raise ValueError(f"--dense-layers must be >= 0, got {self.dense_layers}")
         if self.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
         if any(n < 64 for n in self.context_lens):
@@ -90,6 +95,13 @@ class AccuracyConfig:
             raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
         from oasiskv_runtime.config import EngineConfig
 
+        most_dense = max((_engine_opts(self, st)["dense_layers"] for _, st in self.settings()), key=len)
+        if most_dense:  # the engine checks layer indices only once the model is loaded: here before dense runs
+            from oasiskv_runtime.models.loader import model_config_for
+
+            layers = model_config_for(self.model)[0].num_layers
+            if len(most_dense) > layers:
+                raise ValueError(f"dense_layers={len(most_dense)}: the model has {layers} layers")
         for mode, setting in self.settings():  # the engine's own checks, before any engine loads (not after dense ran)
             try:
                 EngineConfig.from_overrides(self.model, device=self.device, dtype=self.dtype, mode=mode,
@@ -158,8 +170,11 @@ def _env(cfg: AccuracyConfig) -> dict[str, Any]:
 
 def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any]) -> dict[str, Any]:
     """The engine options of one setting: the run's, then the sweep's override."""
-    return dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, sink_blocks=cfg.sink_blocks,
-                draft=cfg.draft, kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=cfg.max_num_seqs) | setting
+    opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, sink_blocks=cfg.sink_blocks,
+                dense_layers=cfg.dense_layers, draft=cfg.draft, kv_cache_gb=cfg.kv_cache_gb,
+                max_num_seqs=cfg.max_num_seqs) | setting
+    opts["dense_layers"] = tuple(range(opts["dense_layers"]))  # the engine takes the layers' indices
+    return opts
 
 
 def _engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
