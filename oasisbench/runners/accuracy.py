@@ -95,13 +95,13 @@ class AccuracyConfig:
             raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
         from oasiskv_runtime.config import EngineConfig
 
-        most_dense = max((_engine_opts(self, st)["dense_layers"] for _, st in self.settings()), key=len)
+        most_dense = max(st.get("dense_layers", self.dense_layers) for _, st in self.settings())
         if most_dense:  # the engine checks layer indices only once the model is loaded: here before dense runs
             from oasiskv_runtime.models.loader import model_config_for
 
             layers = model_config_for(self.model)[0].num_layers
-            if len(most_dense) > layers:
-                raise ValueError(f"dense_layers={len(most_dense)}: the model has {layers} layers")
+            if most_dense > layers:
+                raise ValueError(f"dense_layers={most_dense}: the model has {layers} layers")
         for mode, setting in self.settings():  # the engine's own checks, before any engine loads (not after dense ran)
             try:
                 EngineConfig.from_overrides(self.model, device=self.device, dtype=self.dtype, mode=mode,

@@ -254,9 +254,9 @@ def warm_up(llm: Any, point: dict[str, Any]) -> None:
 
 
 def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | None = None,
-              trace: tuple[tuple[int, int], Path] | None = None) -> dict[str, Any]:
-    """Run one point; returns its metrics (with ``error`` set when it failed). ``trace``: (window, file): profile
-    that window of the point's engine steps into the file (:mod:`oasisbench.runners.step_trace`)."""
+              trace: tuple[tuple[tuple[int, int], ...], Path] | None = None) -> dict[str, Any]:
+    """Run one point; returns its metrics (with ``error`` set when it failed). ``trace``: (windows, file): profile
+    those windows of the point's engine steps into the file (:mod:`oasisbench.runners.step_trace`)."""
     from oasiskv_runtime import SamplingParams
     from oasisbench.runners.step_trace import traced_steps
 
@@ -269,8 +269,8 @@ def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | N
         prompts = make_prompts(n, p["context_len"] - p["output_len"], llm.engine.model_config.vocab_size, p["seed"])
         params = SamplingParams(max_tokens=p["output_len"], temperature=0.0, ignore_eos=True, seed=p["seed"])
         advance = (lambda _out: progress.advance(task)) if progress is not None else None
-        window, trace_path = trace if trace is not None else (None, None)
-        with traced_steps(llm.engine, window, f"{p['mode']} ctx={p['context_len']} c={p['concurrency']} "
+        windows, trace_path = trace if trace is not None else (None, None)
+        with traced_steps(llm.engine, windows, f"{p['mode']} ctx={p['context_len']} c={p['concurrency']} "
                           f"({planned.pid})", trace_path):
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, on_finish=advance)
