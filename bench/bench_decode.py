@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--gather-ctas", default="",
                     help="UVA gather grids to compare per point in oasiskv / fetch-on-demand (0: one CTA per copy); "
                          "default: the engine's")
+    ap.add_argument("--gather-copies", default="",
+                    help="copies in flight per CTA of the UVA gather to compare per point in oasiskv / "
+                         "fetch-on-demand, e.g. 1,4; default: the engine's")
     ap.add_argument("--select-kernel", default="",
                     help="compare the fused selection + plan kernel (1) with its PyTorch composition (0) per point "
                          "in oasiskv / fetch-on-demand, e.g. 1,0; default: the engine's")
@@ -200,8 +203,9 @@ def main() -> None:
     args.batch_list = [int(x) for x in args.batch.split(",")]
     gather_list = [int(x) for x in args.gather_ctas.split(",")] if args.gather_ctas else [None]
     select_list = _switches(args.select_kernel)
-    variants = [{k: v for k, v in (("gather_ctas", g), ("select_kernel", sk)) if v is not None}
-                for g in gather_list for sk in select_list]
+    copies_list = [int(x) for x in args.gather_copies.split(",")] if args.gather_copies else [None]
+    variants = [{k: v for k, v in (("gather_ctas", g), ("gather_copies", gc), ("select_kernel", sk)) if v is not None}
+                for g in gather_list for gc in copies_list for sk in select_list]
     fused_list = _switches(args.fused_norm_rope)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),

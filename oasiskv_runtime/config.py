@@ -16,6 +16,8 @@ from typing import Any
 GATHER_CTAS = 32
 """Default grid of the UVA gather kernel: 32 CTAs keep enough PCIe reads in flight for the link (two 4 KiB tiles
 each) while leaving the other SMs to the step's kernels (bench/NOTES.md, "Gather grid")."""
+GATHER_COPIES = 4
+"""Default copies each of the gather's CTAs has in flight (not yet measured on a GPU against 1)."""
 
 
 class Mode(str, Enum):
@@ -217,6 +219,9 @@ class SparseConfig:
     gather_ctas: int = GATHER_CTAS
     """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
     leave the SMs to the step's own kernels while the copies stream over PCIe."""
+    gather_copies: int = GATHER_COPIES
+    """Copies each CTA of that gather has in flight at once (a power of two): a PCIe read stalls its CTA for
+    microseconds, so with one at a time a small grid cannot keep the link busy."""
 
     copy_engine_prefill: bool = True
     """Host-pool modes on CUDA: a prefill chunk's KV goes to the pool, and its prefix comes back from it, by
@@ -240,6 +245,8 @@ class SparseConfig:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
         if self.kernels not in ("auto", "ref", "gpu"):
             raise ValueError(f"kernels must be auto, ref or gpu, got {self.kernels!r}")
+        if self.gather_copies < 1 or self.gather_copies & (self.gather_copies - 1):
+            raise ValueError(f"gather_copies must be a power of two >= 1, got {self.gather_copies}")
         if self.gather_ctas < 0:
             raise ValueError(f"gather_ctas must be >= 0 (0: one CTA per copy), got {self.gather_ctas}")
         object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))

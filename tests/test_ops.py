@@ -472,6 +472,45 @@ def test_uva_gather_kernel_matches_ref(backend, src_dev, dtype, BS, Hkv, D, prog
     assert torch.equal(a, dk) and torch.equal(b, dv)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("programs,copies", [(0, 4), (7, 1), (7, 2), (3, 4), (32, 8)])
+@pytest.mark.parametrize("tiered", [False, True])
+def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tiered):
+    """The Triton gather with several copies in flight per CTA (group sizes that do not divide the copy count)
+    and a tiered pool read in the same launch (each copy from its own part) equals the reference, which takes the
+    parts one at a time; 20% unused entries (src = -1) copy nothing. Interpreted, everything is on the CPU."""
+    gen = _gen(programs * 10 + copies + tiered)
+    BS, Hkv, D, n_host, n_tier, n = 8, 3, 48, 23, 17, 101
+    hk, hv, dk, dv, src, dst, heads = _gather_inputs(gen, n_host + n_tier, 57, BS, Hkv, D, n)
+    src = torch.where(torch.rand(n, generator=gen) < 0.2, torch.full_like(src, -1), src)
+    tier = None
+    if tiered:
+        tier = ug.PoolTier(hk[n_host:].clone().to(device), hv[n_host:].clone().to(device), n_host)
+        hk, hv = hk[:n_host].contiguous(), hv[:n_host].contiguous()
+    else:
+        src = src.remainder(n_host + n_tier).where(src >= 0, src)
+    if device == "cuda":
+        hk, hv = hk.pin_memory(), hv.pin_memory()
+    dk, dv = dk.to(device), dv.to(device)
+    want_k, want_v = dk.cpu().clone(), dv.cpu().clone()
+    ug.uva_gather_ref(hk.cpu(), hv.cpu(), want_k, want_v, src, dst, heads,
+                      tier=None if tier is None else ug.PoolTier(tier.k.cpu(), tier.v.cpu(), n_host))
+    ug._gather_triton(hk, hv, dk, dv, src.to(device), dst.to(device), heads.to(device), n, programs, copies, tier)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dk.cpu(), want_k) and torch.equal(dv.cpu(), want_v)
+    if tiered:  # the test reads both parts
+        assert bool(((src >= 0) & (src < n_host)).any()) and bool((src >= n_host).any())
+
+
+@pytest.mark.parametrize("copies", [0, 3, 6])
+def test_gather_copies_must_be_a_power_of_two(copies):
+    from oasiskv_runtime.config import SparseConfig
+
+    with pytest.raises(ValueError, match="gather_copies"):
+        SparseConfig(gather_copies=copies)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,Hkv,D", [(torch.bfloat16, 8, 128), (torch.float32, 3, 48)])

@@ -265,19 +265,26 @@ def traced_steps(engine: Any, windows: Windows | None, title: str, path: str | o
     step = engine.step
     n_step = [0]
     # per window: its torch profiler (None until its first step), the kind of each of its steps, Python stats
-    traces: list[dict[str, Any]] = [{"prof": None, "kinds": [], "py": {}, "stopped": False} for _ in windows]
+    traces: list[dict[str, Any]] = [{"prof": None, "kinds": [], "py": {}, "stopped": False, "events": None}
+                                    for _ in windows]
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
 
-    def stop(tr: dict) -> None:
-        """End a profiled window (its trace is summarised at the context's exit, outside the timed run)."""
+    def stop(tr: dict, more: bool = False) -> None:
+        """End a profiled window (its trace is summarised at the context's exit, outside the timed run). ``more``:
+        another window follows, whose profiler would reset the GPU activity buffers this one's trace still refers
+        to (seen on the H200: an earlier window of a run came back with no kernels), so its events are read now,
+        inside the timed run (the point is marked traced anyway)."""
         if tr["prof"] is None or tr["stopped"]:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         tr["prof"].__exit__(None, None, None)
         tr["stopped"] = True
+        if more:
+            tr["events"] = _events(tr["prof"])
+            tr["prof"] = True  # the events are kept; let the profiler's buffers go
 
     def report() -> None:
         for (start, count), tr in zip(windows, traces):
@@ -286,7 +293,8 @@ def traced_steps(engine: Any, windows: Windows | None, title: str, path: str | o
                 continue
             kinds = tr["kinds"]
             label = f"{title} steps {start}-{start + count - 1}" if len(windows) > 1 else title
-            lines = step_kind_lines(_events(tr["prof"]), kinds, label)
+            events = tr["events"] if tr["events"] is not None else _events(tr["prof"])
+            lines = step_kind_lines(events, kinds, label)
             lines += python_lines(tr["py"], {k: kinds.count(k) for k in set(kinds)})
             with open(path, "a") as f:
                 f.write("\n".join(lines) + "\n\n")
@@ -316,7 +324,7 @@ def traced_steps(engine: Any, windows: Windows | None, title: str, path: str | o
         else:
             tr["py"][kind] = pstats.Stats(py)
         if i == windows[w][0] + windows[w][1] - 1:
-            stop(tr)
+            stop(tr, more=w + 1 < len(windows))
         return out
 
     engine.step = traced_step

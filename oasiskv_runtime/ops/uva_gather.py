@@ -36,10 +36,12 @@ what prefill attention over a host-pool context reads, without a host sync.
 Every function here takes an optional :class:`PoolTier`: a pool whose block ids run past the host part into a
 second tensor (the device tier of ``CacheConfig.device_tier``: full-KV blocks kept in the device KV budget once
 the host pool is full). Ids ``>= tier.first`` address block ``id - tier.first`` of ``tier.k`` / ``tier.v``. On
-CUDA that is the same kernel launched once per part over ``-1``-masked id lists (no host sync to split them).
+CUDA the Triton gather reads both parts in one launch (each copy from its own part); the CUDA C kernel and the
+references take one part at a time over ``-1``-masked id lists (no host sync to split them).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -51,7 +53,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from oasiskv_runtime.config import GATHER_CTAS
+from oasiskv_runtime.config import GATHER_COPIES, GATHER_CTAS
 from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
 
 __all__ = ["PoolTier", "uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
@@ -150,31 +152,49 @@ class _MappedPtr:
 def _kernels():
 
     @triton.jit
-    def _uva_gather_kernel(HK, HV, DK, DV, SRC, DST, HEADS, n, programs,
-                           hs_b, hs_t, hs_h, ds_b, ds_t, ds_h, BS,
-                           D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
-        # A grid of `programs` CTAs, each looping over copies pid, pid + programs, ... (K and V of a copy
-        # are loaded before either is stored: two tiles of PCIe reads in flight per CTA). A small grid leaves
-        # the other SMs to the foreground kernels: PCIe reads stall their CTA for microseconds, and a grid
-        # of one CTA per copy fills every SM's thread slots until the whole transfer is done.
+    def _uva_gather_kernel(HK, HV, TK, TV, DK, DV, SRC, DST, HEADS, n, groups, programs, first,
+                           hs_b, hs_t, hs_h, ds_b, ds_t, ds_h, BS: tl.constexpr,
+                           D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
+                           TIER: tl.constexpr):
+        # A grid of `programs` CTAs, each looping over groups of C copies: group pid, pid + programs, ... The
+        # C copies' K and V tiles are all loaded before any is stored, so a CTA keeps 2 C tiles of reads in
+        # flight: a PCIe read stalls its CTA for microseconds, and a CTA with one copy in flight spends most of
+        # its time waiting (on the H200 the decode prefetch moved ~25 GB/s that way under the step's kernels).
+        # A small grid leaves the other SMs to the foreground kernels. TIER: ids >= first are block
+        # id - first of TK / TV (same strides as HK / HV), in the same pass (masked loads of the other part
+        # move nothing), so a tiered pool costs one launch, not one per part.
+        c = tl.arange(0, C)
         r = tl.arange(0, ROWS)
         d = tl.arange(0, D_PAD)
-        for i in range(tl.program_id(0), n, programs):
-            src = tl.load(SRC + i).to(tl.int64)
-            dst = tl.load(DST + i).to(tl.int64)
-            hd = tl.load(HEADS + i).to(tl.int64)
+        g = tl.program_id(0)
+        while g < groups:  # groups = cdiv(n, C) (a while loop: Triton's interpreter cannot run a range loop
+            i = g * C + c  # over runtime scalars)
+            g += programs
+            live = i < n
+            src = tl.load(SRC + i, mask=live, other=-1).to(tl.int64)
+            dst = tl.load(DST + i, mask=live, other=0).to(tl.int64)
+            hd = tl.load(HEADS + i, mask=live, other=0).to(tl.int64)
             valid = src >= 0  # fixed-size plans mark unused entries with src = -1 (no host sync to compact)
+            if TIER:
+                in_tier = src >= first
+                src = tl.where(in_tier, src - first, src)
             src = tl.maximum(src, 0)
             dst = tl.maximum(dst, 0)
-            s_base = src * hs_b + hd * hs_h
-            d_base = dst * ds_b + hd * ds_h
-            for r0 in range(0, BS, ROWS):
+            s_base = (src * hs_b + hd * hs_h)[:, None, None]
+            d_base = (dst * ds_b + hd * ds_h)[:, None, None]
+            for r0 in tl.static_range(0, BS, ROWS):
                 rr = r0 + r
-                m = (rr < BS)[:, None] & (d < D)[None, :] & valid
-                s_off = s_base + (rr * hs_t)[:, None] + d[None, :]
-                d_off = d_base + (rr * ds_t)[:, None] + d[None, :]
-                xk = tl.load(HK + s_off, mask=m)
-                xv = tl.load(HV + s_off, mask=m)
+                m = valid[:, None, None] & (rr < BS)[None, :, None] & (d < D)[None, None, :]
+                s_off = s_base + (rr * hs_t)[None, :, None] + d[None, None, :]
+                d_off = d_base + (rr * ds_t)[None, :, None] + d[None, None, :]
+                if TIER:
+                    mt = m & in_tier[:, None, None]
+                    mh = m & ~in_tier[:, None, None]
+                    xk = tl.where(mt, tl.load(TK + s_off, mask=mt), tl.load(HK + s_off, mask=mh))
+                    xv = tl.where(mt, tl.load(TV + s_off, mask=mt), tl.load(HV + s_off, mask=mh))
+                else:
+                    xk = tl.load(HK + s_off, mask=m)
+                    xv = tl.load(HV + s_off, mask=m)
                 tl.store(DK + d_off, xk, mask=m)
                 tl.store(DV + d_off, xv, mask=m)
 
@@ -205,30 +225,37 @@ def _index(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
 
 
-def _host_ptrs(host_k, host_v):
-    if host_k.is_cuda:
+def _host_ptrs(host_k, host_v, device_side):
+    """The host pool's tensors as the kernel's pointer arguments; ``device_side``: the kernel's device operand."""
+    if host_k.is_cuda or not device_side.is_cuda:  # a CUDA pool, or Triton's interpreter (all on the CPU)
         return host_k, host_v
     if not (host_k.is_pinned() and host_v.is_pinned()):
         raise ValueError("uva_gather: host_k/host_v must be pinned (pin_memory()) for zero-copy")
     return _MappedPtr(host_k), _MappedPtr(host_v)
 
 
-def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs):
+def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, copies=GATHER_COPIES,
+                   tier: PoolTier | None = None):
     K = _kernels()
     _, BS, H, D = host_k.shape
     if host_k.stride() != host_v.stride() or dev_k.stride() != dev_v.stride():
         raise ValueError("K and V tensors must share strides")
     if host_k.stride(-1) != 1 or dev_k.stride(-1) != 1:
         raise ValueError("unit stride on head_dim required")
+    if tier is not None and (tier.k.stride() != host_k.stride() or tier.v.stride() != host_k.stride()):
+        raise ValueError("a tier read in the same launch must share the host part's strides")
     D_PAD = _next_pow2(D)
-    rows = max(1, min(_next_pow2(BS), 8192 // max(D_PAD, 1)))  # <= 8K elements per tile
-    grid = n if programs <= 0 else min(n, programs)
-    hk, hv = _host_ptrs(host_k, host_v)
-    with torch.cuda.device(dev_k.device):
-        K.gather[(grid,)](hk, hv, dev_k, dev_v, src, dst, heads, n, grid,
+    C = 1 if programs <= 0 else _next_pow2(max(1, copies))  # one CTA per copy keeps one copy per CTA
+    rows = max(1, min(_next_pow2(BS), 8192 // max(D_PAD * C, 1)))  # <= 8K elements per tile
+    groups = -(-n // C)
+    grid = groups if programs <= 0 else min(groups, programs)
+    hk, hv = _host_ptrs(host_k, host_v, dev_k)
+    tk, tv = (tier.k, tier.v) if tier is not None else (hk, hv)
+    with torch.cuda.device(dev_k.device) if dev_k.is_cuda else contextlib.nullcontext():
+        K.gather[(grid,)](hk, hv, tk, tv, dev_k, dev_v, src, dst, heads, n, groups, grid, tier.first if tier else 0,
                           host_k.stride(0), host_k.stride(1), host_k.stride(2),
                           dev_k.stride(0), dev_k.stride(1), dev_k.stride(2), BS,
-                          D=D, D_PAD=D_PAD, ROWS=rows, num_warps=4)
+                          D=D, D_PAD=D_PAD, ROWS=rows, C=C, TIER=tier is not None, num_warps=4 if C == 1 else 8)
 
 
 # --------------------------------------------------------------------------------------
@@ -300,25 +327,33 @@ def _gather_cuda(host_k, host_v, dev_k, dev_v, src, dst, heads, n):
 _PREFERRED = ("triton", "cuda")
 
 
+def _gather_parts(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads, tier: PoolTier, backend: str) -> str:
+    """A tiered pool's gather one part at a time, each over a ``-1``-masked id list (no host sync to split)."""
+    src_host, src_tier = split_ids(src_blocks, tier.first)
+    used = uva_gather(host_k, host_v, dev_k, dev_v, src_host, dst_blocks, heads, backend=backend)
+    uva_gather(tier.k, tier.v, dev_k, dev_v, src_tier, dst_blocks, heads, backend=backend)
+    return used
+
+
 def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                dev_v: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
                heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_CTAS,
-               tier: PoolTier | None = None) -> str:
-    """Copy the listed (block, head) slices host -> device in one kernel launch (one per part of a tiered pool).
+               copies: int = GATHER_COPIES, tier: PoolTier | None = None) -> str:
+    """Copy the listed (block, head) slices host -> device in one kernel launch (a tiered pool too, with Triton).
 
     ``backend``: ``"auto"`` (Triton, else the CUDA C kernel; the reference when
     ``dev_k`` is not on CUDA), ``"triton"``, ``"cuda"`` or ``"ref"``. Index tensors may
     live on the host or the device (int32/int64). ``programs``: CTAs in the Triton kernel's grid, each
-    looping over its share of the copies (``<= 0``: one CTA per copy, the CUDA C kernel's layout).
-    Returns the backend used.
+    looping over its share of the copies (``<= 0``: one CTA per copy, the CUDA C kernel's layout); ``copies``:
+    how many copies each of them has in flight at once (a power of two; 1 with one CTA per copy). The CUDA C
+    kernel and the reference take a tiered pool one part at a time. Returns the backend used.
     """
     if tier is not None:
         _check(tier.k, tier.v, dev_k, dev_v, src_blocks, dst_blocks, heads)
-        src_host, src_tier = split_ids(src_blocks, tier.first)
-        used = uva_gather(host_k, host_v, dev_k, dev_v, src_host, dst_blocks, heads, backend=backend,
-                          programs=programs)
-        uva_gather(tier.k, tier.v, dev_k, dev_v, src_tier, dst_blocks, heads, backend=backend, programs=programs)
-        return used
+        one_pass = (backend in ("auto", "triton") and dev_k.is_cuda and _triton_available()
+                    and tier.k.stride() == host_k.stride() == tier.v.stride())
+        if not one_pass:
+            return _gather_parts(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads, tier, backend)
     n = _check(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads)
     if backend not in ("auto", "triton", "cuda", "ref"):
         raise ValueError(f"unknown backend {backend!r}")
@@ -336,7 +371,9 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
             if be == "triton":
                 if backend == "auto" and not _triton_available():
                     continue
-                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n, programs)
+                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n, programs, copies, tier)
+            elif tier is not None:
+                return _gather_parts(host_k, host_v, dev_k, dev_v, src, dst, hd, tier, "cuda")
             else:
                 _gather_cuda(host_k, host_v, dev_k, dev_v, src, dst, hd, n)
             return be
@@ -464,7 +501,7 @@ def uva_scatter_rows(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, hos
     w = kk.shape[1] * kk.shape[2]
     src = torch.arange(n, device=k.device)
     K = _kernels()
-    hk, hv = _host_ptrs(host_k, host_v)
+    hk, hv = _host_ptrs(host_k, host_v, k)
     with torch.cuda.device(k.device):
         grid = min(n, programs) if programs > 0 else n
         K.scatter[(grid,)](kk, vv, hk, hv, src, _index(dst_rows, k.device), n,

@@ -388,7 +388,7 @@ class SparseAttention:
     def graph_key(self) -> tuple:
         """Python values a captured step bakes in besides the batch shape."""
         return (self.cfg.fetch_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks,
-                self.cfg.gather_ctas, self.cfg.select_kernel)
+                self.cfg.gather_ctas, self.cfg.gather_copies, self.cfg.select_kernel)
 
     def graph_fields(self, seqs, ctxs, tables, rows, has_draft, fields, static, max_blocks) -> dict:
         """Add this backend's per-request vectors to ``fields`` and update its per-request tables."""
@@ -713,6 +713,7 @@ class SparseAttention:
             if not self.cfg.disable_transfers:
                 uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
                            self.dev_cache.v[layer], src, dst, head, programs=self.cfg.gather_ctas,
+                           copies=self.cfg.gather_copies,
                            tier=self._tier(layer))
             if stream is not None:
                 self.xfer_done[layer] = stream.record_event()
