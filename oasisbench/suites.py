@@ -82,6 +82,8 @@ OPTION_SPECS: dict[str, _Validator] = {
     "seed": (_is_int, "an integer"),
     "block_size": (lambda v: _is_int(v) and v >= 1, "a positive integer (tokens)"),
     "sink_blocks": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "gather_copies": (lambda v: _is_int(v) and v >= 1 and not v & (v - 1),
+                      "a power of two (copies each CTA of the decode prefetch's UVA gather has in flight)"),
     "dense_layers": (
         lambda v: (_is_int(v) and v >= 0) or (isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)),
         "a non-negative integer or a list of layer indices",
