@@ -16,8 +16,9 @@ from typing import Any
 GATHER_CTAS = 32
 """Default grid of the UVA gather kernel: 32 CTAs keep enough PCIe reads in flight for the link (two 4 KiB tiles
 each) while leaving the other SMs to the step's kernels (bench/NOTES.md, "Gather grid")."""
-GATHER_COPIES = 4
-"""Default copies each of the gather's CTAs has in flight (not yet measured on a GPU against 1)."""
+GATHER_COPIES = 1
+"""Default copies each of the gather's CTAs has in flight. With 32 CTAs, 4 were 8-10% slower than 1 in decode
+steps with every plan entry used (bench/NOTES.md, "The gather in one launch"); 16 CTAs x 4 matched 32 x 1."""
 
 
 class Mode(str, Enum):
