@@ -193,3 +193,28 @@ def test_graph_replay_batched_cuda(tiny, mode):
     assert agree == total if mode != "oasiskv" else agree >= 0.9 * total
     if mode != "dense":
         assert st["fetched_blocks_per_step"] > 0
+
+
+def test_capture_remakes_the_per_step_rows(tiny):
+    """A capture re-runs the step that just ran eagerly, with the same metadata. The index tensors every layer
+    of a decode step reads (made once per step by the first layer) must then be made again inside the capture:
+    reused, the graph would read the eager run's copies, never rewritten, on every replay."""
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=3, fetch_ratio=0.34, block_size=4, cuda_graphs="static")
+    eng = llm.engine
+    eng.add_request(PROMPTS[0], params(4))
+    be = eng.runner.backend
+    seen = []
+    end_step = be.end_step
+
+    def spy():  # at the end of each step, before the backend lets go of its metadata: a capture would run now
+        made = be._step_cache()
+        seen.append(set(made))
+        be.before_capture()
+        seen.append(set(be._step_cache()))
+        assert be._step_cache() is not made
+        end_step()
+
+    be.end_step = spy
+    for _ in range(3):  # the prefill step, then decode steps on the static layout
+        eng.step()
+    assert {"qd_rows", "pred_rows", "slots_i32", "local_len_i32"} <= seen[-2] and seen[-1] == set()

@@ -503,6 +503,36 @@ def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tier
         assert bool(((src >= 0) & (src < n_host)).any()) and bool((src >= n_host).any())
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("programs", [0, 5])
+@pytest.mark.parametrize("tiered", [False, True])
+def test_uva_scatter_triton_kernel_tier(device, programs, tiered):
+    """The Triton token-row scatter, a tiered pool written in the same launch (rows past the host part go to
+    the tier), rows of -1 skipped, against the reference (which takes the parts one at a time)."""
+    gen = _gen(31 + programs + tiered)
+    nb_host, nb_tier, bs, Hkv, D, n = 13, 6, 4, 3, 48, 29
+    mk = lambda nb: torch.randn(nb, bs, Hkv, D, generator=gen)  # noqa: E731
+    hk, hv, tk, tv = mk(nb_host), mk(nb_host), mk(nb_tier), mk(nb_tier)
+    total = (nb_host + (nb_tier if tiered else 0)) * bs
+    rows = torch.randperm(total, generator=gen)[:n]
+    rows[torch.rand(n, generator=gen) < 0.2] = -1
+    k, v = torch.randn(n, Hkv, D, generator=gen), torch.randn(n, Hkv, D, generator=gen)
+    want = [t.clone() for t in (hk, hv, tk, tv)]
+    ug.uva_scatter_rows_ref(k, v, want[0], want[1], rows,
+                            tier=ug.PoolTier(want[2], want[3], nb_host) if tiered else None)
+    if device == "cuda":
+        hk, hv = hk.pin_memory(), hv.pin_memory()
+    tk, tv = tk.to(device), tv.to(device)
+    ug._scatter_triton(k.to(device), v.to(device), hk, hv, rows.to(device), programs,
+                       ug.PoolTier(tk, tv, nb_host) if tiered else None)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for got, w in zip((hk, hv, tk, tv), want):
+        assert torch.equal(got.cpu(), w)
+    if tiered:  # both parts were written
+        assert bool(((rows >= 0) & (rows < nb_host * bs)).any()) and bool((rows >= nb_host * bs).any())
+
+
 @pytest.mark.parametrize("copies", [0, 3, 6])
 def test_gather_copies_must_be_a_power_of_two(copies):
     from oasiskv_runtime.config import SparseConfig

@@ -199,19 +199,32 @@ def _kernels():
                 tl.store(DV + d_off, xv, mask=m)
 
     @triton.jit
-    def _uva_scatter_kernel(SRC_K, SRC_V, HK, HV, SRC_ROWS, DST_ROWS, n, programs, W: tl.constexpr,
-                            W_PAD: tl.constexpr):
-        # Token rows ([Hkv * D] contiguous), device -> pinned host, written over UVA; `programs` CTAs each loop
-        # over rows pid, pid + programs, ... (a bounded grid leaves the SMs to kernels running beside it).
+    def _uva_scatter_kernel(SRC_K, SRC_V, HK, HV, TK, TV, DST_ROWS, n, programs, first_row, W: tl.constexpr,
+                            W_PAD: tl.constexpr, TIER: tl.constexpr):
+        # Token rows i = 0 .. n-1 ([Hkv * D] contiguous), device -> pinned host, written over UVA; `programs` CTAs
+        # each loop over rows pid, pid + programs, ... (a bounded grid leaves the SMs to kernels running beside
+        # it; a while loop, which Triton's interpreter can run). Rows of -1 are skipped. TIER: rows >= first_row
+        # are row - first_row of TK / TV, in the same launch.
         c = tl.arange(0, W_PAD)
         m = c < W
-        for i in range(tl.program_id(0), n, programs):
-            s = tl.load(SRC_ROWS + i).to(tl.int64)
+        i = tl.program_id(0)
+        while i < n:
             d = tl.load(DST_ROWS + i).to(tl.int64)
-            mm = m & (d >= 0)  # -1: a row that goes to the other part of a tiered pool
-            d = tl.maximum(d, 0)
-            tl.store(HK + d * W + c, tl.load(SRC_K + s * W + c, mask=mm), mask=mm)
-            tl.store(HV + d * W + c, tl.load(SRC_V + s * W + c, mask=mm), mask=mm)
+            mm = m & (d >= 0)
+            xk = tl.load(SRC_K + i.to(tl.int64) * W + c, mask=mm)
+            xv = tl.load(SRC_V + i.to(tl.int64) * W + c, mask=mm)
+            if TIER:
+                in_t = d >= first_row
+                d = tl.maximum(tl.where(in_t, d - first_row, d), 0)
+                tl.store(TK + d * W + c, xk, mask=mm & in_t)
+                tl.store(TV + d * W + c, xv, mask=mm & in_t)
+                tl.store(HK + d * W + c, xk, mask=mm & ~in_t)
+                tl.store(HV + d * W + c, xv, mask=mm & ~in_t)
+            else:
+                d = tl.maximum(d, 0)
+                tl.store(HK + d * W + c, xk, mask=mm)
+                tl.store(HV + d * W + c, xv, mask=mm)
+            i += programs
 
     from types import SimpleNamespace
     return SimpleNamespace(gather=_uva_gather_kernel, scatter=_uva_scatter_kernel)
@@ -479,30 +492,37 @@ def uva_scatter_rows_ref(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor,
     host_v.view(-1, h, d).index_copy_(0, rows, v.to(host_v.device, host_v.dtype))
 
 
+def _scatter_triton(k, v, host_k, host_v, dst_rows, programs, tier: PoolTier | None) -> None:
+    """One launch of the scatter kernel (the caller checked the tensors); ``tier`` in the same pass."""
+    n = k.shape[0]
+    kk, vv = k.contiguous(), v.contiguous()
+    w = kk.shape[1] * kk.shape[2]
+    K = _kernels()
+    hk, hv = _host_ptrs(host_k, host_v, k)
+    tk, tv = (tier.k, tier.v) if tier is not None else (hk, hv)
+    with torch.cuda.device(k.device) if k.is_cuda else contextlib.nullcontext():
+        grid = min(n, programs) if programs > 0 else n
+        K.scatter[(grid,)](kk, vv, hk, hv, tk, tv, _index(dst_rows, k.device), n, grid,
+                           tier.first * host_k.shape[1] if tier is not None else 0,
+                           W=w, W_PAD=_next_pow2(w), TIER=tier is not None, num_warps=4)
+
+
 def uva_scatter_rows(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
                      dst_rows: torch.Tensor, programs: int = 0, tier: PoolTier | None = None) -> None:
     """Write token rows ``k, v: [n, Hkv, D]`` (CUDA) into a pinned host pool viewed as ``[rows, Hkv, D]`` with
-    one kernel launch (one per part of a tiered pool) and no host synchronisation (the GPU writes over UVA).
-    ``programs``: CTAs in the grid, each looping over its share of the rows (0: one per row). Rows of ``-1`` are
-    skipped. Falls back to the reference for CPU tensors."""
+    one kernel launch (a tiered pool too: rows past the host part go to the tier in the same pass) and no host
+    synchronisation (the GPU writes over UVA). ``programs``: CTAs in the grid, each looping over its share of
+    the rows (0: one per row). Rows of ``-1`` are skipped. Falls back to the reference for CPU tensors."""
     n = k.shape[0]
     if n == 0:
         return
-    if tier is not None:
+    mapped = host_k.is_cuda or host_k.is_pinned()
+    if not k.is_cuda or not mapped or not _triton_available():
+        uva_scatter_rows_ref(k, v, host_k, host_v, dst_rows, tier=tier)
+        return
+    if tier is not None and not (tier.k.is_contiguous() and tier.v.is_contiguous()):
         rows_host, rows_tier = split_ids(dst_rows, tier.first * host_k.shape[1])
         uva_scatter_rows(k, v, host_k, host_v, rows_host, programs)
         uva_scatter_rows(k, v, tier.k, tier.v, rows_tier, programs)
         return
-    mapped = host_k.is_cuda or host_k.is_pinned()
-    if not k.is_cuda or not mapped or not _triton_available():
-        uva_scatter_rows_ref(k, v, host_k, host_v, dst_rows)
-        return
-    kk, vv = k.contiguous(), v.contiguous()
-    w = kk.shape[1] * kk.shape[2]
-    src = torch.arange(n, device=k.device)
-    K = _kernels()
-    hk, hv = _host_ptrs(host_k, host_v, k)
-    with torch.cuda.device(k.device):
-        grid = min(n, programs) if programs > 0 else n
-        K.scatter[(grid,)](kk, vv, hk, hv, src, _index(dst_rows, k.device), n,
-                           grid, W=w, W_PAD=_next_pow2(w), num_warps=4)
+    _scatter_triton(k, v, host_k, host_v, dst_rows, programs, tier)

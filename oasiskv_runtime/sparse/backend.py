@@ -440,6 +440,10 @@ class SparseAttention:
         waited on inside it, and the capture starts after a device synchronize, so nothing is outstanding."""
         if self.async_pipeline:
             self.xfer_done = [None] * self.num_layers
+        # A capture re-runs the step that just ran eagerly, with the same metadata: its per-step tensors
+        # (:meth:`_step_rows`) must be made again inside the capture, or the graph would read the eager run's
+        # copies (outside its pool, never rewritten) on every replay.
+        self._memo_meta = self._memo = None
 
     before_capture = graph_replayed
 
@@ -528,25 +532,35 @@ class SparseAttention:
         )
 
     # ---- the layer --------------------------------------------------------------------------------
+    def _step_rows(self, key: str, make) -> torch.Tensor:
+        """A per-step index tensor every layer reads (made by the first layer's forward, so a captured step
+        holds one copy of the ops that make it, not one per layer)."""
+        memo = self._step_cache()
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, w = self.meta, self._written
+        kw, vw = k[w], v[w]  # this step's written rows, read by the pool write, the local block and the summaries
         if self._copy_writes:
             self._write_pool(layer, k, v)
         elif self.mode.uses_host_pool and (k.is_cuda or self.kv.tier_first is not None):
-            uva_scatter_rows(k[w], v[w], self.host_cache.k[layer], self.host_cache.v[layer], meta.slot_mapping[w],
-                             tier=self._tier(layer))
+            uva_scatter_rows(kw, vw, self.host_cache.k[layer], self.host_cache.v[layer],
+                             self._step_rows("pool_rows", lambda: meta.slot_mapping[w]), tier=self._tier(layer))
         else:
-            self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), k[w], v[w])
+            self.primary.write(layer, meta.slot_mapping[w].to(self.primary.k[layer].device), kw, vw)
         b = self.batch
         if self.async_pipeline and self.xfer_done[layer] is not None:
             torch.cuda.current_stream(self.device).wait_event(self.xfer_done[layer])  # layer-local sync
         if b is not None and b.local_rows is not None:
-            self.dev_cache.write(layer, b.local_rows, k[b.q_rows], v[b.q_rows])
+            same = b.q_rows is w  # the static layout writes exactly the decode rows
+            self.dev_cache.write(layer, b.local_rows, kw if same else k[b.q_rows], vw if same else v[b.q_rows])
         if self._runs is not None:
-            update_summaries_runs(k[w], *self._runs, self.dev_cache.k[layer], self.dev_cache.v[layer],
+            update_summaries_runs(kw, *self._runs, self.dev_cache.k[layer], self.dev_cache.v[layer],
                                   backend="auto" if self.use_kernels else "ref")
         elif self._sum_rows.numel():  # decode rows only: one token per summary row
-            update_summaries(k[w], self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer],
+            update_summaries(kw, self._sum_rows, self._reset, self.dev_cache.k[layer], self.dev_cache.v[layer],
                              assume_distinct=True)
         self._issue_reads(layer + 1)  # the next layer's prefixes, while this one computes
         out = torch.empty_like(q)
@@ -556,8 +570,7 @@ class SparseAttention:
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
         if b is not None and self.mode.prefetches:
-            pred_q = torch.where(b.has_draft[:, None, None], q[b.draft_rows], q[b.q_rows])
-            self._prefetch(layer, b, pred_q)
+            self._prefetch(layer, b, q[self._pred_rows(b)])
         self._init_finished_prefills(layer, q)
         return out
 
@@ -662,9 +675,16 @@ class SparseAttention:
         ids, _ = rank(scores, num_candidates, self.k_slots)
         return ids.long()
 
+    def _pred_rows(self, b: DecodeBatch) -> torch.Tensor:
+        """Per request, the row whose query predicts its next step's blocks: the draft's, else its own."""
+        return self._step_rows("pred_rows", lambda: torch.where(b.has_draft, b.draft_rows, b.q_rows))
+
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor) -> None:
-        q_norm = q[b.q_rows]
+        # The normal and draft queries of each request, stacked, in one index op: [B, 2, Hq, D].
+        qd_rows = self._step_rows("qd_rows", lambda: torch.stack([b.q_rows, b.draft_rows], dim=1).flatten())
+        qs = q[qd_rows].view(b.q_rows.numel(), 2, *q.shape[1:])
+        q_norm = qs[:, 0]
         if self.mode is Mode.SPARSE_RESIDENT:
             pred = self._predict(layer, q_norm, b, next_step=False)
             block_ids = torch.where(pred >= 0, b.primary_table.gather(1, pred.clamp_min(0).flatten(1)).view_as(pred),
@@ -677,21 +697,20 @@ class SparseAttention:
             elif self.cfg.measure_recall:
                 self._record_recall(layer, b, q_norm)
             smap = self.slot_map[b.state_rows, layer]                         # [B, Hkv, K]
-            slots = b.slot_blocks[:, None, :].expand_as(smap)
-            block_ids = torch.where(smap >= 0, slots, torch.full_like(smap, -1))
-        qs = torch.stack([q_norm, q[b.draft_rows]], dim=1)                   # [B, 2, Hq, D]
+            slots = self._step_rows("slots_i32", lambda: b.slot_blocks.int()[:, None, :])
+            block_ids = torch.where(smap >= 0, slots.expand(smap.shape), -1)
+        local_block = self._step_rows("local_block_i32", lambda: b.local_block.int())
+        local_len = self._step_rows("local_len_i32", lambda: b.local_len.int())
         res = sparse_decode_attention(qs, self.dev_cache.k[layer], self.dev_cache.v[layer], block_ids.int(),
-                                      b.local_block.int(), b.local_len.int(), self.scale,
-                                      k[b.draft_rows], v[b.draft_rows],
+                                      local_block, local_len, self.scale, k[b.draft_rows], v[b.draft_rows],
                                       backend="auto" if self.use_kernels else "ref")
-        out[b.q_rows] = res[:, 0]
-        if b.separate_draft_rows:
-            out[b.draft_rows] = res[:, 1]
+        if b.separate_draft_rows:  # every request has its own draft row: both outputs in one index op
+            out[qd_rows] = res.flatten(0, 1)
             return
+        out[b.q_rows] = res[:, 0]
         # Requests without a draft have draft_rows == q_rows: write their normal output again rather than
         # boolean-index (which would synchronise with the host).
-        rows = torch.where(b.has_draft, b.draft_rows, b.q_rows)
-        out[rows] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0])
+        out[self._pred_rows(b)] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0])
 
     def _plan_and_fetch(self, layer: int, b: DecodeBatch, pred: torch.Tensor, cap: int, initial: bool,
                         stream: torch.cuda.Stream | None = None) -> None:
