@@ -408,6 +408,8 @@ def test_select_topk_triton_matches_torch(B, H, J, k, device):
     ids, nv = st.select_topk(s, nc, k)
     ids_t, nv_t = st.select_topk_triton(s, nc, k)
     assert torch.equal(ids, ids_t) and torch.equal(nv, nv_t)
+    ids_o, nv_o = st.select_topk_triton(s, nc.int(), k, with_valid=False)  # the engine's call: int32 counts
+    assert torch.equal(ids, ids_o) and (nv_o is None or torch.equal(nv, nv_o))  # None unless it fell back
     r = torch.randn(B, H, J, generator=gen).to(device)  # distinct scores
     assert torch.equal(st.select_topk(r, nc, k)[0], st.select_topk_triton(r, nc, k)[0])
 

@@ -241,13 +241,14 @@ def quest_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_k
 MAX_TRITON_TOPK_COLS = 16384  # 256K tokens of 16-token blocks; beyond: torch.topk path
 
 
-def select_topk_triton(scores: torch.Tensor, num_candidates: torch.Tensor, k: int
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+def select_topk_triton(scores: torch.Tensor, num_candidates: torch.Tensor, k: int, with_valid: bool = True
+                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same result as :func:`select_topk` (bit-identical ids), one Triton launch.
 
     Each (request, kv head) row is ranked by one program holding the row in registers
     (``tl.topk`` bitonic network over int64 keys). Rows longer than
-    ``MAX_TRITON_TOPK_COLS`` go to :func:`select_topk`.
+    ``MAX_TRITON_TOPK_COLS`` go to :func:`select_topk`. ``with_valid=False``: ``num_valid`` is None (one op less
+    per call for a caller that reads only the ids; the ids are ``-1`` padded either way).
     """
     B, H, J = scores.shape
     if J == 0 or k <= 0 or _next_pow2(J) > MAX_TRITON_TOPK_COLS or scores.dtype != torch.float32:
@@ -255,7 +256,7 @@ def select_topk_triton(scores: torch.Tensor, num_candidates: torch.Tensor, k: in
     Kn = _kernels()
     dev = scores.device
     nc = num_candidates.to(device=dev, dtype=torch.int32).contiguous()
-    num_valid = nc.clamp(min=0, max=min(k, J))
+    num_valid = nc.clamp(min=0, max=min(k, J)) if with_valid else None
     J_PAD = max(16, _next_pow2(J))
     K_PAD = min(max(16, _next_pow2(k)), J_PAD)
     if scores.stride(-1) != 1:

@@ -394,7 +394,7 @@ class SparseAttention:
         """Add this backend's per-request vectors to ``fields`` and update its per-request tables."""
         bs, host = self.bs, self.mode.uses_host_pool
         primary = static.table("primary", max_blocks, 0)
-        summary = static.table("summary", cdiv(max_blocks, bs), 0)
+        summary = static.table("summary", cdiv(max_blocks, bs), 0, torch.int32)  # the score kernel's dtype
         slot_table = static.table("slots", self.k_slots, 0) if host else None
         sum_rows, reset = [], []
         for seq, ctx, table, row in zip(seqs, ctxs, tables, rows):
@@ -408,7 +408,9 @@ class SparseAttention:
                 slot_table.set(row, seq.seq_id, rb.ws_blocks[1:])
         fields.update(self._decode_vectors([seq.seq_id for seq in seqs], ctxs))
         fields.update(sum_rows=sum_rows, reset=reset, has_draft=[int(d) for d in has_draft])
-        return {"reset": torch.bool, "has_draft": torch.bool}
+        # int32 candidate counts: the score and ranking kernels' dtype (converted once per step, not per layer)
+        return {"reset": torch.bool, "has_draft": torch.bool, "num_candidates": torch.int32,
+                "next_candidates": torch.int32}
 
     def _bind_static(self, meta: StepMetadata, st) -> None:
         """Point the step's state at the static buffers (every tensor the forward reads is persistent)."""
@@ -521,9 +523,9 @@ class SparseAttention:
             has_draft=torch.tensor([s.draft_row is not None for s in decode], device=dev),
             local_block=t(vec["local_block"]),
             local_len=t(vec["local_len"]),
-            num_candidates=t(vec["num_candidates"]),
-            next_candidates=t(vec["next_candidates"]),
-            summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in decode], 0, dev),
+            num_candidates=t(vec["num_candidates"]).int(),  # the score and ranking kernels' dtype
+            next_candidates=t(vec["next_candidates"]).int(),
+            summary_table=_pad([self.kv.requests[s.seq_id].summary_blocks for s in decode], 0, dev).int(),
             primary_table=_pad([s.block_table for s in decode], 0, dev),
             slot_blocks=t([self.kv.requests[s.seq_id].ws_blocks[1:] for s in decode]) if host else None,
             local_rows=t(vec["local_rows"]) if host else None,
@@ -671,9 +673,13 @@ class SparseAttention:
             sink = min(self.cfg.sink_blocks, scores.shape[-1])
             head = scores[..., :sink]
             scores[..., :sink] = torch.where(torch.isinf(head), head, torch.full_like(head, float("inf")))
-        rank = select_topk_triton if (self.use_kernels and scores.is_cuda) else select_topk
-        ids, _ = rank(scores, num_candidates, self.k_slots)
-        return ids.long()
+        if self.use_kernels and scores.is_cuda:
+            ids, _ = select_topk_triton(scores, num_candidates, self.k_slots, with_valid=False)
+        else:
+            ids, _ = select_topk(scores, num_candidates, self.k_slots)
+        # The fused selection kernel reads the ranking's int32 ids as they are; every other reader indexes with them.
+        to_plan = next_step and self.async_pipeline and self.cfg.select_kernel and not self.cfg.measure_recall
+        return ids if to_plan else ids.long()
 
     def _pred_rows(self, b: DecodeBatch) -> torch.Tensor:
         """Per request, the row whose query predicts its next step's blocks: the draft's, else its own."""
