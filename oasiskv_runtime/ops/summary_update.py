@@ -281,7 +281,9 @@ def _update_summaries_triton(k_new, rows, reset, sum_min, sum_max) -> None:
     if k_new.stride(-1) != 1:
         k_new = k_new.contiguous()
     rows = rows.to(device=sum_min.device, dtype=torch.int64).contiguous()
-    reset = reset.to(device=sum_min.device, dtype=torch.uint8).contiguous()
+    reset = reset.to(device=sum_min.device).contiguous()
+    # a bool tensor's bytes as uint8 (no copy: the kernel reads a byte per token; decode steps call this per layer)
+    reset = reset.view(torch.uint8) if reset.dtype == torch.bool else reset.to(torch.uint8)
     HD = Hkv * D
     BLOCK = min(2048, _next_pow2(HD))
     grid = (T, triton.cdiv(HD, BLOCK))
