@@ -67,6 +67,34 @@ def test_manager_host_mode_working_set_is_bounded():
     assert kv.device_pool.num_free == 200 and kv.host_pool.num_free == 1000
 
 
+@pytest.mark.parametrize("mode,tier", [(Mode.DENSE, False), (Mode.SPARSE_RESIDENT, False), (Mode.OASISKV, False),
+                                       (Mode.OASISKV, True)])
+def test_manager_allocation_shortcut_changes_nothing(mode, tier):
+    """The decode shortcut (a request whose blocks already cover the tokens gets nothing) holds exactly when the
+    full count would take nothing: a request grown a token or a chunk at a time, in 4-token blocks (summary rows
+    of 4 blocks), holds the same blocks as the count says, at every length, past a full host pool into the
+    tier."""
+    kv = KVCacheManager(mode, 4, num_device_blocks=400, num_host_blocks=20 if tier else 40, top_k_blocks=3,
+                        max_model_len=10_000, device_tier=tier)
+    s = seq(5, 2000)
+    grown = 0
+    for step in [5, 1, 1, 3, 8, 1, 1, 1, 16, 1, 2, 1, 50, 1, 1, 1, 1, 17, 1, 1]:
+        rb = kv.requests.get(s.seq_id)
+        shortcut = rb is not None and s.num_computed_tokens + step <= rb.capacity
+        before = None if rb is None else (list(rb.host_blocks), list(rb.device_blocks), list(rb.summary_blocks))
+        assert kv.allocate(s, step)
+        rb = kv.requests[s.seq_id]
+        s.num_computed_tokens += step
+        if shortcut:  # nothing was taken, and the full count agrees nothing was needed
+            assert (rb.host_blocks, rb.device_blocks, rb.summary_blocks) == before
+        assert kv.pending_needs(s) == (0, 0)  # what the request holds covers every token so far
+        assert rb.capacity >= s.num_computed_tokens
+        grown += shortcut
+    assert grown >= 8  # the shortcut did serve most single-token steps
+    if mode is Mode.OASISKV:
+        assert (kv.requests[s.seq_id].num_tier > 0) == tier  # 114 tokens: 29 blocks, past 20 host blocks
+
+
 def test_manager_all_or_nothing_and_fits_alone():
     kv = KVCacheManager(Mode.DENSE, 4, num_device_blocks=3, num_host_blocks=0, top_k_blocks=8, max_model_len=100)
     a, b = seq(8), seq(8)

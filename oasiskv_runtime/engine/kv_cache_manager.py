@@ -43,6 +43,9 @@ class RequestBlocks:
     """The first host blocks belong to a prefix cache (prefill-decode, prefill side): never freed here."""
     num_tier: int = 0
     """How many of ``host_blocks`` are device-tier blocks (counted as they are taken: read every step)."""
+    capacity: int = 0
+    """Tokens the blocks held cover with nothing more to allocate (set by ``KVCacheManager.allocate``; 0: not
+    known): a decode step's allocation is then a comparison, not a recount (it runs per request per step)."""
 
     @property
     def num_device_blocks(self) -> int:
@@ -176,8 +179,23 @@ class KVCacheManager:
         spill = self._spill(need_host, self.host_pool.num_free - keep_host)
         return spill is not None and need_device + spill <= self.device_pool.num_free - keep_device
 
+    def _capacity(self, rb: RequestBlocks) -> int:
+        """Most tokens ``rb``'s blocks hold with nothing to allocate (each kind of block checked on its own, as
+        :meth:`allocate` takes them: never more than :meth:`_needs` allows)."""
+        bs = self.block_size
+        if self.mode.uses_host_pool:
+            cap = len(rb.host_blocks) * bs if rb.ws_blocks else 0
+        else:
+            cap = len(rb.device_blocks) * bs
+        if self.mode.is_sparse:
+            cap = min(cap, len(rb.summary_blocks) * bs * bs)
+        return cap
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``seq``. All or nothing; False when out of blocks."""
+        rb = self.requests.get(seq.seq_id)
+        if rb is not None and seq.num_computed_tokens + num_new_tokens <= rb.capacity:
+            return True  # most decode steps: the token fits the blocks held
         rb = self.requests.setdefault(seq.seq_id, RequestBlocks())
         device, host = self._needs(seq, seq.num_computed_tokens + num_new_tokens)
         need_device = max(0, device - rb.num_device_blocks)
@@ -200,6 +218,7 @@ class KVCacheManager:
             need_device -= n_sum
         if not self.mode.uses_host_pool:
             rb.device_blocks += self.device_pool.allocate(need_device)
+        rb.capacity = self._capacity(rb)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -225,7 +244,7 @@ class KVCacheManager:
         rb = self.requests.get(seq.seq_id)
         if rb is None:
             return []
-        blocks, rb.host_blocks, rb.num_tier = rb.host_blocks, [], 0
+        blocks, rb.host_blocks, rb.num_tier, rb.capacity = rb.host_blocks, [], 0, 0
         return blocks
 
     def free_host_blocks(self, blocks: list[int]) -> None:
