@@ -240,13 +240,17 @@ WARMUP_OUTPUT_LEN = 4
 
 
 def warm_up(llm: Any, point: dict[str, Any]) -> None:
-    """One short request on a fresh engine before anything is timed, then zeroed counters: kernel compilation
-    (Triton JIT on a fresh machine), cuBLAS setup and the first CUDA-graph captures would otherwise land in the
-    first measured point of each engine. The counted metrics (tokens, bytes, batches) are unchanged by it."""
+    """One request on a fresh engine before anything is timed, then zeroed counters: kernel compilation (Triton
+    JIT on a fresh machine), cuBLAS setup and the first CUDA-graph captures would otherwise land in the first
+    measured point of each engine. Its prompt is as long as the point's (Triton kernels are compiled per shape
+    class: prefill chunks, the context bucket of the prediction kernels); a short one left those compilations in
+    the timed run (on the H200 a process's first oasiskv point ran 24% slower than the next one, whose gather
+    setting alone was worth ~5%: bench/NOTES.md). The counted metrics (tokens, bytes, batches) are unchanged."""
     from oasiskv_runtime import SamplingParams
 
     eng = llm.engine
-    prompt = make_prompts(1, min(WARMUP_PROMPT_LEN, eng.max_model_len - WARMUP_OUTPUT_LEN - 1),
+    length = max(WARMUP_PROMPT_LEN, int(point["context_len"]) - WARMUP_OUTPUT_LEN)
+    prompt = make_prompts(1, min(length, eng.max_model_len - WARMUP_OUTPUT_LEN - 1),
                           eng.model_config.vocab_size, int(point["seed"]) + 1)
     try:
         llm.generate(prompt, SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True))
