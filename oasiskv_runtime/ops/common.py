@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable
 
@@ -21,6 +22,12 @@ def loads(loader: Callable[[], object]) -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure means "use the reference"
         return False
+
+
+def on_device(t: torch.Tensor):
+    """The context a kernel launch on ``t``'s data runs in: its CUDA device current (a tensor on cuda:1 needs
+    cuda:1's stream); nothing for CPU tensors (Triton's interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def lazy_kernels(module_globals: dict) -> Callable:

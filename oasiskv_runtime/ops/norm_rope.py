@@ -22,11 +22,10 @@ qkv projection's output) and returns a contiguous tensor.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 
 __all__ = ["rms_norm", "rms_norm_ref", "norm_rope", "norm_rope_ref"]
 
@@ -103,10 +102,6 @@ def _use_kernel(backend: str, x: torch.Tensor) -> bool:
     return backend == "triton" or (backend == "auto" and x.is_cuda and loads(_kernels))
 
 
-def _on(x: torch.Tensor):
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dimension (any leading shape); see the module docstring."""
     if not _use_kernel(backend, x) or x.numel() == 0:
@@ -116,7 +111,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    with _on(x):
+    with on_device(x):
         _kernels().rms_norm[(x2.shape[0],)](x2, weight, y, x2.stride(0), n, eps, BLOCK=next_pow2(n),
                                            num_warps=4 if n <= 1024 else 8)
     return y.view(x.shape)
@@ -136,7 +131,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         raise ValueError(f"norm_rope: weight dtype {weight.dtype} differs from x's {x.dtype}")
     cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    with _on(x):
+    with on_device(x):
         _kernels().norm_rope[(t * h,)](x, weight if weight is not None else x, cos, sin, y, x.stride(0),
                                        x.stride(1), h, eps, HAS_NORM=weight is not None, HALF=d // 2,
                                        BLOCK=next_pow2(d // 2), num_warps=1)

@@ -37,12 +37,11 @@ Triton is imported lazily; CPU tensors use the reference.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
 
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 
 __all__ = ["score_topk", "score_topk_ref", "quest_scores_ref", "quest_scores", "select_topk",
            "select_topk_triton"]
@@ -225,7 +224,7 @@ def quest_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_k
     if block_j is None:
         block_j = 32 if D_PAD >= 128 else 64
     grid = (B * Hkv, triton.cdiv(J, block_j))
-    with (torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()):
+    with on_device(q):
         K.score[grid](
             q, sum_min, sum_max, table, nc, out, J, table.shape[1],
             q.stride(0), q.stride(1),
@@ -266,7 +265,7 @@ def select_topk_triton(scores: torch.Tensor, num_candidates: torch.Tensor, k: in
     else:
         out = torch.empty((B, H, k), dtype=torch.int32, device=dev)
     nw = 4 if J_PAD <= 2048 else (8 if J_PAD <= 8192 else 16)
-    with (torch.cuda.device(dev) if scores.is_cuda else contextlib.nullcontext()):
+    with on_device(scores):
         Kn.rank[(B * H,)](scores, nc, out, J, k, scores.stride(0), scores.stride(1),
                           out.stride(0), out.stride(1), HKV=H, J_PAD=J_PAD, K_PAD=K_PAD,
                           num_warps=nw)

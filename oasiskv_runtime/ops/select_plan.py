@@ -26,12 +26,11 @@ by eviction rank).
 """
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import torch
 
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 from oasiskv_runtime.sparse.selector_torch import select_rows
 
 __all__ = ["select_plan", "select_plan_ref"]
@@ -199,7 +198,7 @@ def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tens
         step = torch.full((), step, dtype=torch.long, device=dev)
     kp = max(16, next_pow2(k))
     count_step = deferred is not None
-    with (torch.cuda.device(dev) if slot_map.is_cuda else contextlib.nullcontext()):
+    with on_device(slot_map):
         _kernels().select_plan[(n * h,)](
             slot_map, last_sel, rows, pred, step, primary_table, slot_blocks, src, dst, head, fetched,
             deferred if count_step else fetched, req_fetched if count_step else fetched, cap, c,

@@ -40,13 +40,12 @@ CPU tensors or a missing Triton fall back to the reference.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
 import torch
 
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 
 __all__ = [
     "sparse_decode_attention",
@@ -355,7 +354,7 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
     ev = extra_v if has_extra else q
     e_strides = (ek.stride(0), ek.stride(1), ev.stride(0), ev.stride(1)) if has_extra else (0, 0, 0, 0)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    with (torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()):
+    with on_device(q):
         K.fwd[(B * Hkv, n_splits)](
             q, k_cache, v_cache, block_ids, local_block, local_len, ek, ev,
             out, mid_o, mid_m, mid_l,

@@ -26,12 +26,11 @@ block's first token carries reset=True, the others False).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 
 __all__ = ["update_summaries", "update_summaries_ref", "update_summaries_grouped", "update_summaries_runs",
            "update_summaries_runs_ref", "token_runs"]
@@ -198,7 +197,7 @@ def _update_summaries_runs_triton(k_new, pad_idx, run_rows, run_reset, sum_min, 
     HD = hkv * d
     BLOCK = min(1024, _next_pow2(HD))
     grid = (R, triton.cdiv(HD, BLOCK))
-    with (torch.cuda.device(sum_min.device) if sum_min.is_cuda else contextlib.nullcontext()):
+    with on_device(sum_min):
         K.runs[grid](k_new, pad_idx, run_rows, run_reset, sum_min, sum_max, k_new.stride(0), k_new.stride(1), HD,
                      D=d, WIDTH=pad_idx.numel() // R, BLOCK=BLOCK, num_warps=4)
 
@@ -287,7 +286,7 @@ def _update_summaries_triton(k_new, rows, reset, sum_min, sum_max) -> None:
     HD = Hkv * D
     BLOCK = min(2048, _next_pow2(HD))
     grid = (T, triton.cdiv(HD, BLOCK))
-    with (torch.cuda.device(sum_min.device) if sum_min.is_cuda else contextlib.nullcontext()):
+    with on_device(sum_min):
         K.update[grid](k_new, rows, reset, sum_min, sum_max, k_new.stride(0), k_new.stride(1), HD,
                        D=D, BLOCK=BLOCK, num_warps=4)
 

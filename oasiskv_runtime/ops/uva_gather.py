@@ -41,7 +41,6 @@ references take one part at a time over ``-1``-masked id lists (no host sync to 
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -54,7 +53,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from oasiskv_runtime.config import GATHER_COPIES, GATHER_CTAS
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2
+from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 
 __all__ = ["PoolTier", "uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
            "uva_scatter_rows", "uva_scatter_rows_ref", "build_cuda_extension"]
@@ -264,7 +263,7 @@ def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, c
     grid = groups if programs <= 0 else min(groups, programs)
     hk, hv = _host_ptrs(host_k, host_v, dev_k)
     tk, tv = (tier.k, tier.v) if tier is not None else (hk, hv)
-    with torch.cuda.device(dev_k.device) if dev_k.is_cuda else contextlib.nullcontext():
+    with on_device(dev_k):
         K.gather[(grid,)](hk, hv, tk, tv, dev_k, dev_v, src, dst, heads, n, groups, grid, tier.first if tier else 0,
                           host_k.stride(0), host_k.stride(1), host_k.stride(2),
                           dev_k.stride(0), dev_k.stride(1), dev_k.stride(2), BS,
@@ -500,7 +499,7 @@ def _scatter_triton(k, v, host_k, host_v, dst_rows, programs, tier: PoolTier | N
     K = _kernels()
     hk, hv = _host_ptrs(host_k, host_v, k)
     tk, tv = (tier.k, tier.v) if tier is not None else (hk, hv)
-    with torch.cuda.device(k.device) if k.is_cuda else contextlib.nullcontext():
+    with on_device(k):
         grid = min(n, programs) if programs > 0 else n
         K.scatter[(grid,)](kk, vv, hk, hv, tk, tv, _index(dst_rows, k.device), n, grid,
                            tier.first * host_k.shape[1] if tier is not None else 0,
