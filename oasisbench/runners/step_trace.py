@@ -283,18 +283,18 @@ def traced_steps(engine: Any, windows: Windows | None, title: str, path: str | o
         tr["prof"].__exit__(None, None, None)
         tr["stopped"] = True
         if more:
-            tr["events"] = _events(tr["prof"])
-            tr["prof"] = True  # the events are kept; let the profiler's buffers go
+            tr["events"], tr["prof"] = _events(tr["prof"]), None  # keep the events, let the profiler's buffers go
 
     def report() -> None:
         for (start, count), tr in zip(windows, traces):
             stop(tr)
-            if tr["prof"] is None:
-                continue
+            if tr["events"] is None:
+                if tr["prof"] is None:
+                    continue  # the window was never reached
+                tr["events"] = _events(tr["prof"])
             kinds = tr["kinds"]
             label = f"{title} steps {start}-{start + count - 1}" if len(windows) > 1 else title
-            events = tr["events"] if tr["events"] is not None else _events(tr["prof"])
-            lines = step_kind_lines(events, kinds, label)
+            lines = step_kind_lines(tr["events"], kinds, label)
             lines += python_lines(tr["py"], {k: kinds.count(k) for k in set(kinds)})
             with open(path, "a") as f:
                 f.write("\n".join(lines) + "\n\n")
