@@ -159,6 +159,11 @@ def reset(eng: LLMEngine) -> None:
     eng.scheduler.running.clear()
 
 
+def _ints(text: str) -> list[int | None]:
+    """A list option ("32,16") as its values; "" -> [None] (the engine's default)."""
+    return [int(x) for x in text.split(",")] if text else [None]
+
+
 def _switches(text: str) -> list[bool | None]:
     """An A/B switch option ("1,0") as its settings; "" -> [None] (the engine's default)."""
     return [bool(int(x)) for x in text.split(",")] if text else [None]
@@ -201,11 +206,9 @@ def main() -> None:
                     help="decode-step execution per point, side by side on one engine: off (eager), auto (CUDA graphs)")
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
-    gather_list = [int(x) for x in args.gather_ctas.split(",")] if args.gather_ctas else [None]
-    select_list = _switches(args.select_kernel)
-    copies_list = [int(x) for x in args.gather_copies.split(",")] if args.gather_copies else [None]
     variants = [{k: v for k, v in (("gather_ctas", g), ("gather_copies", gc), ("select_kernel", sk)) if v is not None}
-                for g in gather_list for gc in copies_list for sk in select_list]
+                for g in _ints(args.gather_ctas) for gc in _ints(args.gather_copies)
+                for sk in _switches(args.select_kernel)]
     fused_list = _switches(args.fused_norm_rope)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
