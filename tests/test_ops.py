@@ -489,8 +489,6 @@ def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tier
     if tiered:
         tier = ug.PoolTier(hk[n_host:].clone().to(device), hv[n_host:].clone().to(device), n_host)
         hk, hv = hk[:n_host].contiguous(), hv[:n_host].contiguous()
-    else:
-        src = src.remainder(n_host + n_tier).where(src >= 0, src)
     if device == "cuda":
         hk, hv = hk.pin_memory(), hv.pin_memory()
     dk, dv = dk.to(device), dv.to(device)
