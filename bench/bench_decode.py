@@ -193,6 +193,9 @@ def main() -> None:
     ap.add_argument("--gather-copies", default="",
                     help="copies in flight per CTA of the UVA gather to compare per point in oasiskv / "
                          "fetch-on-demand, e.g. 1,4; default: the engine's")
+    ap.add_argument("--pipeline-priority", default="",
+                    help="CUDA priorities of the prefetch pipeline's streams to compare per point in oasiskv / "
+                         "fetch-on-demand, e.g. 0,-1 (lower is higher); default: the engine's")
     ap.add_argument("--select-kernel", default="",
                     help="compare the fused selection + plan kernel (1) with its PyTorch composition (0) per point "
                          "in oasiskv / fetch-on-demand, e.g. 1,0; default: the engine's")
@@ -206,9 +209,10 @@ def main() -> None:
                     help="decode-step execution per point, side by side on one engine: off (eager), auto (CUDA graphs)")
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
-    variants = [{k: v for k, v in (("gather_ctas", g), ("gather_copies", gc), ("select_kernel", sk)) if v is not None}
+    variants = [{k: v for k, v in (("gather_ctas", g), ("gather_copies", gc), ("select_kernel", sk),
+                                   ("pipeline_priority", pp)) if v is not None}
                 for g in _ints(args.gather_ctas) for gc in _ints(args.gather_copies)
-                for sk in _switches(args.select_kernel)]
+                for sk in _switches(args.select_kernel) for pp in _ints(args.pipeline_priority)]
     fused_list = _switches(args.fused_norm_rope)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),

@@ -9,7 +9,7 @@
 # (default: the graph and engine tests); KERNELS: bench_kernels.py parts to run first (e.g. gather,overlap;
 # default none); GRAPHS: graph settings per point (default off,auto); GATHER: UVA gather grids to compare
 # (the summary's grid/sel column: gather grid / fused selection kernel 1 or 0, from --select-kernel in BENCH_ARGS,
-# then /cN with --gather-copies N in BENCH_ARGS).
+# then /cN with --gather-copies N, /pN with --pipeline-priority N in BENCH_ARGS).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -51,6 +51,8 @@ for p in r["points"]:
     variant = f"{p.get('gather_ctas', '-')}/{int(p['select_kernel']) if 'select_kernel' in p else '-'}"
     if "gather_copies" in p:
         variant += f"/c{p['gather_copies']}"
+    if "pipeline_priority" in p:
+        variant += f"/p{p['pipeline_priority']}"
     if "fused_norm_rope" in p:
         variant += f"/f{int(p['fused_norm_rope'])}"
     rows.setdefault((p["mode"], variant, p["context"], p["batch"]), {})[p["cuda_graphs"]] = p

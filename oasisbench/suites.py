@@ -84,6 +84,8 @@ OPTION_SPECS: dict[str, _Validator] = {
     "sink_blocks": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     "gather_copies": (lambda v: _is_int(v) and v >= 1 and not v & (v - 1),
                       "a power of two (copies each CTA of the decode prefetch's UVA gather has in flight)"),
+    "pipeline_priority": (lambda v: _is_int(v) and v <= 0,
+                          "a non-positive integer (CUDA priority of the decode prefetch's streams; lower is higher)"),
     "dense_layers": (
         lambda v: (_is_int(v) and v >= 0) or (isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)),
         "a non-negative integer or a list of layer indices",

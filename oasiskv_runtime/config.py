@@ -233,6 +233,13 @@ class SparseConfig:
     483.8 ms with it against 524.2 without (``bench/profile_prefill.py --ab copy_engine_prefill``, bench/NOTES.md);
     ``tests/test_gpu_engine.py`` checks both give the same tokens and traffic."""
 
+    pipeline_priority: int = 0
+    """CUDA priority of the prefetch pipeline's three background streams (prediction, selection, transfer): lower
+    is higher, 0 is the default streams' (CUDA clamps to the device's range; an H200 allows -5..0). With a higher
+    priority the block scheduler gives the pipeline's few CTAs the next free SMs before the main stream's kernels,
+    so the link is not left idle behind a large GEMM. A captured graph keeps each node's priority (PyTorch
+    instantiates graphs with per-node priorities)."""
+
     select_kernel: bool = True
     """The prefetch pipeline's selection and transfer plan as one fused kernel per layer (GPU kernels only;
     False: its plain-PyTorch composition, the reference, ~70 small kernels per layer; for A/B benchmarks)."""
@@ -248,6 +255,8 @@ class SparseConfig:
             raise ValueError(f"kernels must be auto, ref or gpu, got {self.kernels!r}")
         if self.gather_copies < 1 or self.gather_copies & (self.gather_copies - 1):
             raise ValueError(f"gather_copies must be a power of two >= 1, got {self.gather_copies}")
+        if self.pipeline_priority > 0:
+            raise ValueError(f"pipeline_priority must be <= 0 (lower is higher), got {self.pipeline_priority}")
         if self.gather_ctas < 0:
             raise ValueError(f"gather_ctas must be >= 0 (0: one CTA per copy), got {self.gather_ctas}")
         object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))

@@ -80,3 +80,16 @@ def test_copy_engine_prefill_equals_the_uva_kernels(tiny, tier):
         runs.append(([o.token_ids for o in outs], st["fetched_blocks_per_step"], st["peak_device_tier_bytes"] > 0))
     assert runs[0] == runs[1]
     assert runs[0][2] == tier
+
+
+def test_pipeline_priority_reaches_the_streams_and_changes_no_token(tiny):
+    """The prefetch pipeline's streams at a higher CUDA priority (graphs captured on them keep it): the same
+    tokens and traffic as at the default priority, with a budget small enough that blocks are admitted."""
+    runs = []
+    for prio in (0, -1):
+        llm = LLM(tiny, device="cuda", dtype="float32", mode="oasiskv", top_k_blocks=4, fetch_ratio=0.25,
+                  pipeline_priority=prio, host_kv_bytes=HOST)
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert all((s.priority < 0) == (prio < 0) for s in llm.engine.backend.streams), prio
+        runs.append(([o.token_ids for o in outs], llm.engine.run_stats()["fetched_blocks_per_step"]))
+    assert runs[0] == runs[1] and runs[0][1] > 0

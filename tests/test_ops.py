@@ -541,6 +541,14 @@ def test_gather_copies_must_be_a_power_of_two(copies):
         SparseConfig(gather_copies=copies)
 
 
+def test_pipeline_priority_must_not_be_positive():
+    from oasiskv_runtime.config import SparseConfig
+
+    with pytest.raises(ValueError, match="pipeline_priority must be <= 0"):
+        SparseConfig(pipeline_priority=1)
+    assert SparseConfig(pipeline_priority=-3).pipeline_priority == -3
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,Hkv,D", [(torch.bfloat16, 8, 128), (torch.float32, 3, 48)])

@@ -99,7 +99,8 @@ class SparseAttention:
         # for step t's layer-l transfer event. Counters stay on the device: no host round trip per layer.
         self.async_pipeline = bool(mode.uses_host_pool and self.use_kernels and device.type == "cuda")
         if self.async_pipeline:
-            self.streams = [torch.cuda.Stream(device) for _ in range(3)]
+            self._streams: dict[int, list[torch.cuda.Stream]] = {}
+            """The pipeline's streams by ``cfg.pipeline_priority`` (an A/B benchmark may change it)."""
             self.xfer_done: list[torch.cuda.Event | None] = [None] * num_layers
             self.dev_fetched = torch.zeros(num_layers, dtype=torch.long, device=device)
             self.dev_deferred = torch.zeros(num_layers, dtype=torch.long, device=device)
@@ -388,7 +389,16 @@ class SparseAttention:
     def graph_key(self) -> tuple:
         """Python values a captured step bakes in besides the batch shape."""
         return (self.cfg.fetch_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks,
-                self.cfg.gather_ctas, self.cfg.gather_copies, self.cfg.select_kernel)
+                self.cfg.gather_ctas, self.cfg.gather_copies, self.cfg.select_kernel, self.cfg.pipeline_priority)
+
+    @property
+    def streams(self) -> list[torch.cuda.Stream]:
+        """The prediction, selection and transfer streams, at ``cfg.pipeline_priority``."""
+        prio = self.cfg.pipeline_priority
+        streams = self._streams.get(prio)
+        if streams is None:
+            streams = self._streams[prio] = [torch.cuda.Stream(self.device, priority=prio) for _ in range(3)]
+        return streams
 
     def graph_fields(self, seqs, ctxs, tables, rows, has_draft, fields, static, max_blocks) -> dict:
         """Add this backend's per-request vectors to ``fields`` and update its per-request tables."""
