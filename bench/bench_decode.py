@@ -164,6 +164,11 @@ def _ints(text: str) -> list[int | None]:
     return [int(x) for x in text.split(",")] if text else [None]
 
 
+def _floats(text: str) -> list[float | None]:
+    """A list option of numbers ("0,30"); "" -> [None] (the engine's default)."""
+    return [float(x) for x in text.split(",")] if text else [None]
+
+
 def _switches(text: str) -> list[bool | None]:
     """An A/B switch option ("1,0") as its settings; "" -> [None] (the engine's default)."""
     return [bool(int(x)) for x in text.split(",")] if text else [None]
@@ -196,6 +201,9 @@ def main() -> None:
     ap.add_argument("--pipeline-priority", default="",
                     help="CUDA priorities of the prefetch pipeline's streams to compare per point in oasiskv / "
                          "fetch-on-demand, e.g. 0,-1 (lower is higher); default: the engine's")
+    ap.add_argument("--link-gbps", default="",
+                    help="per-step fetch caps from the link's budget to compare per point in oasiskv / "
+                         "fetch-on-demand, e.g. 0,30 (GB/s; 0: the fixed cap); default: the engine's")
     ap.add_argument("--select-kernel", default="",
                     help="compare the fused selection + plan kernel (1) with its PyTorch composition (0) per point "
                          "in oasiskv / fetch-on-demand, e.g. 1,0; default: the engine's")
@@ -210,9 +218,10 @@ def main() -> None:
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
     variants = [{k: v for k, v in (("gather_ctas", g), ("gather_copies", gc), ("select_kernel", sk),
-                                   ("pipeline_priority", pp)) if v is not None}
+                                   ("pipeline_priority", pp), ("link_gbps", lg)) if v is not None}
                 for g in _ints(args.gather_ctas) for gc in _ints(args.gather_copies)
-                for sk in _switches(args.select_kernel) for pp in _ints(args.pipeline_priority)]
+                for sk in _switches(args.select_kernel) for pp in _ints(args.pipeline_priority)
+                for lg in _floats(args.link_gbps)]
     fused_list = _switches(args.fused_norm_rope)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
@@ -263,6 +272,7 @@ def main() -> None:
                         point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
                                      fetched_bytes_per_step=st["fetched_bytes_per_step"],
                                      deferred_blocks_per_step=st["deferred_blocks_per_step"],
+                                     mean_fetch_cap=st.get("mean_fetch_cap"),
                                      pcie_budget_bytes_per_step=50e9 * ms / 1e3,
                                      dense_kv_bytes=batch * ctx * kv_bytes_per_token, steps=steps)
                         if setting == "auto":

@@ -9,7 +9,7 @@
 # (default: the graph and engine tests); KERNELS: bench_kernels.py parts to run first (e.g. gather,overlap;
 # default none); GRAPHS: graph settings per point (default off,auto); GATHER: UVA gather grids to compare
 # (the summary's grid/sel column: gather grid / fused selection kernel 1 or 0, from --select-kernel in BENCH_ARGS,
-# then /cN with --gather-copies N, /pN with --pipeline-priority N in BENCH_ARGS).
+# then /cN with --gather-copies N, /pN with --pipeline-priority N, /lN with --link-gbps N in BENCH_ARGS).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -53,17 +53,21 @@ for p in r["points"]:
         variant += f"/c{p['gather_copies']}"
     if "pipeline_priority" in p:
         variant += f"/p{p['pipeline_priority']}"
+    if "link_gbps" in p:
+        variant += f"/l{p['link_gbps']:g}"
     if "fused_norm_rope" in p:
         variant += f"/f{int(p['fused_norm_rope'])}"
     rows.setdefault((p["mode"], variant, p["context"], p["batch"]), {})[p["cuda_graphs"]] = p
 print(f"{'mode':20} {'grid/sel':>8} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replays':>7}"
-      f" {'MB/step':>8}  note")
+      f" {'MB/step':>8} {'cap':>5}  note")
 for (mode, grid, ctx, b), d in rows.items():
     e, g = d.get("off", {}), d.get("auto", {})
     es, gs = e.get("step_ms"), g.get("step_ms")
     sp = f"{es / gs:.2f}x" if es and gs else "-"
     mb = (g or e).get("fetched_bytes_per_step", 0) / 1e6
+    cap = (g or e).get("mean_fetch_cap")
+    cap = f"{cap:5.1f}" if cap is not None else "    -"
     note = e.get("error") or g.get("error") or g.get("graphs_disabled") or ""
     print(f"{mode:20} {grid:>8} {ctx:6} {b:4} {es or 0:9.1f} {gs or 0:9.1f} {sp:>8} {g.get('graph_replays', '-'):>7}"
-          f" {mb:8.0f}  {note}")
+          f" {mb:8.0f} {cap}  {note}")
 EOF

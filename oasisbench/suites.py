@@ -84,6 +84,8 @@ OPTION_SPECS: dict[str, _Validator] = {
     "sink_blocks": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     "gather_copies": (lambda v: _is_int(v) and v >= 1 and not v & (v - 1),
                       "a power of two (copies each CTA of the decode prefetch's UVA gather has in flight)"),
+    "link_gbps": (lambda v: _is_num(v) and v >= 0,
+                  "a number >= 0 (GB/s the prefetch may use per decode step; 0: the fixed fetch cap)"),
     "pipeline_priority": (lambda v: _is_int(v) and v <= 0,
                           "a non-positive integer (CUDA priority of the decode prefetch's streams; lower is higher)"),
     "dense_layers": (

@@ -233,6 +233,14 @@ class SparseConfig:
     483.8 ms with it against 524.2 without (``bench/profile_prefill.py --ab copy_engine_prefill``, bench/NOTES.md);
     ``tests/test_gpu_engine.py`` checks both give the same tokens and traffic."""
 
+    link_gbps: float = 0.0
+    """The per-step fetch budget from the link (the paper's C_token = B_link x T_decode), in GB/s: each decode
+    step's cap becomes the (block, head) copies per request that this rate moves in one decode step's time
+    (a moving average of measured decode steps), shared by the step's requests, rounded down to a power of two,
+    never below ``fetch_cap`` nor above ``top_k_blocks``. 0: the fixed ``fetch_cap`` every step. Set it below
+    the rate the prefetch reaches (an H200: ~43 GB/s): a step the transfers make longer would raise the next
+    cap (``oasiskv_runtime.sparse.link_cap``)."""
+
     pipeline_priority: int = 0
     """CUDA priority of the prefetch pipeline's three background streams (prediction, selection, transfer): lower
     is higher, 0 is the default streams' (CUDA clamps to the device's range; an H200 allows -5..0). With a higher
@@ -255,6 +263,8 @@ class SparseConfig:
             raise ValueError(f"kernels must be auto, ref or gpu, got {self.kernels!r}")
         if self.gather_copies < 1 or self.gather_copies & (self.gather_copies - 1):
             raise ValueError(f"gather_copies must be a power of two >= 1, got {self.gather_copies}")
+        if not self.link_gbps >= 0:
+            raise ValueError(f"link_gbps must be >= 0 (0: the fixed fetch cap), got {self.link_gbps}")
         if self.pipeline_priority > 0:
             raise ValueError(f"pipeline_priority must be <= 0 (lower is higher), got {self.pipeline_priority}")
         if self.gather_ctas < 0:

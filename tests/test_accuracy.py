@@ -235,3 +235,19 @@ def test_dense_layers_option_and_sweep_reach_the_engine_as_leading_layers(tiny, 
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
         assert r.exit_code != 0 and "dense_layers" in r.output.replace("-", "_"), (bad, r.output)
         assert not (tmp_path / "bad").exists()
+
+
+def test_link_gbps_option_and_sweep_reach_the_engine(tiny, tmp_path):
+    """--link-gbps / --sweep link_gbps=...: the per-step fetch cap from the link's budget; a negative rate is
+    refused before any engine runs."""
+    from oasisbench.runners.accuracy import _engine_opts
+
+    cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), link_gbps=5.0,
+                         sweep=("link_gbps", (0.0, 20.0)), top_k_blocks=8, output_dir=tmp_path)
+    assert cfg.settings() == [("dense", {}), ("oasiskv", {"link_gbps": 0.0}), ("oasiskv", {"link_gbps": 20.0})]
+    assert _engine_opts(cfg, {})["link_gbps"] == 5.0 and _engine_opts(cfg, {"link_gbps": 20.0})["link_gbps"] == 20.0
+    for bad in (["--link-gbps", "-1"], ["--sweep", "link_gbps=0,-3"]):
+        r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "oasiskv",
+                                *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
+        assert r.exit_code != 0 and "link" in r.output.replace("-", "_"), (bad, r.output)
+        assert not (tmp_path / "bad").exists()

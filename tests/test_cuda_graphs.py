@@ -195,6 +195,25 @@ def test_graph_replay_batched_cuda(tiny, mode):
         assert st["fetched_blocks_per_step"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_link_cap_is_part_of_the_graph_key(tiny, device):
+    """With ``link_gbps`` each decode step's fetch cap may change (here from the fixed 2 to the working set's 3
+    once a decode step was timed: any measured time gives this link's budget more than that). A captured graph
+    bakes its cap in, so the cap must be part of the key: graphs (or the static layout on the CPU) give eager's
+    tokens and traffic, which differ from the fixed cap's."""
+    graphs = "auto" if device == "cuda" else "static"
+    eager, st_e = run(tiny, "proxy-prefetch", "off", device=device, one_at_a_time=True, link_gbps=1e6)
+    graphed, st_g = run(tiny, "proxy-prefetch", graphs, device=device, one_at_a_time=True, link_gbps=1e6)
+    _, st_fixed = run(tiny, "proxy-prefetch", "off", device=device, one_at_a_time=True)
+    assert graphed == eager
+    for key in ("fetched_blocks_per_step", "deferred_blocks_per_step", "mean_fetch_cap"):
+        assert st_g[key] == st_e[key], key
+    assert st_fixed["mean_fetch_cap"] == 2 < st_e["mean_fetch_cap"]
+    assert st_fixed["deferred_blocks_per_step"] > st_e["deferred_blocks_per_step"]
+    if device == "cuda":
+        assert st_g["graph_replays"] > 0 and st_g["graphs_disabled"] is None
+
+
 def test_capture_remakes_the_per_step_rows(tiny):
     """A capture re-runs the step that just ran eagerly, with the same metadata. The index tensors every layer
     of a decode step reads (made once per step by the first layer) must then be made again inside the capture:

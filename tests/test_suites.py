@@ -131,6 +131,8 @@ def test_wrong_types_name_line(tmp_path: Path) -> None:
     assert "suite.yaml:3: defaults.modes must be a non-empty list of modes" in msg
     msg = error_of(tmp_path, "name: s\ndefaults:\n  measure_recall: yes please\n")
     assert "suite.yaml:3: defaults.measure_recall must be true or false" in msg
+    msg = error_of(tmp_path, "name: s\ndefaults:\n  link_gbps: fast\n")
+    assert "suite.yaml:3: defaults.link_gbps must be a number >= 0" in msg
     msg = error_of(tmp_path, "name: s\ndefaults:\n  pipeline_priority: 2\n")
     assert "suite.yaml:3: defaults.pipeline_priority must be a non-positive integer" in msg
     msg = error_of(tmp_path, "name: s\nkind: latency\n")

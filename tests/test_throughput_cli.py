@@ -351,3 +351,12 @@ def test_trace_steps_writes_a_per_kind_summary(tiny, tmp_path):
     bad = runner.invoke(app, ["throughput", "--model", tiny, "--trace-steps", "4", "--output-dir",
                               str(tmp_path / "bad"), *SMALL])
     assert bad.exit_code == 2 and "START:COUNT" in bad.output and not (tmp_path / "bad").exists()
+
+
+def test_link_gbps_and_pipeline_priority_reach_the_engine_config(tiny):
+    point = {"model": tiny, "mode": "oasiskv", "context_len": 40, "concurrency": 1, "device": "cpu",
+             "link_gbps": 20, "pipeline_priority": -1}
+    (pp,) = tp.plan_points([point])
+    assert pp.engine.sparse.link_gbps == 20 and pp.engine.sparse.pipeline_priority == -1
+    (pp,) = tp.plan_points([{k: v for k, v in point.items() if k not in ("link_gbps", "pipeline_priority")}])
+    assert pp.engine.sparse.link_gbps == 0 and pp.engine.sparse.pipeline_priority == 0

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
-                                    ModelOpt, SeedOpt, TopKOpt, default_device, default_dtype)
+                                    LinkGbpsOpt, ModelOpt, SeedOpt, TopKOpt, default_device, default_dtype)
 from oasisbench.cli.report import fail
 
 
@@ -87,6 +87,7 @@ def accuracy_cmd(
     kv_cache_gb: KvGbOpt = None,
     top_k_blocks: TopKOpt = 128,
     fetch_ratio: FetchRatioOpt = 0.05,
+    link_gbps: LinkGbpsOpt = 0.0,
     sink_blocks: Annotated[int, typer.Option("--sink-blocks", help="Leading blocks every sparse mode always "
                                              "attends (attention sinks), counted in --top-k-blocks.")] = 0,
     dense_layers: Annotated[int, typer.Option("--dense-layers", help="The first N layers attend over the whole "
@@ -96,8 +97,8 @@ def accuracy_cmd(
     max_gen_toks: Annotated[int | None, typer.Option("--max-gen-toks", help="Override every task's generation "
                                                      "budget (smoke runs).")] = None,
     sweep: Annotated[str | None, typer.Option("--sweep", help="top_k_blocks=64,128,192 or "
-                                              "fetch_ratio=0.01,0.05,0.1,1.0 or sink_blocks=0,1,4 or dense_layers=0,2: one run "
-                                              "per value per sparse mode.")] = None,
+                                              "fetch_ratio=0.01,0.05,0.1,1.0 or sink_blocks=0,1,4 or dense_layers=0,2 or "
+                                              "link_gbps=0,20: one run per value per sparse mode.")] = None,
     output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Results root.")] = Path("results"),
     seed: SeedOpt = 0,
     list_only: Annotated[bool, typer.Option("--list-tasks", help="List tasks, data sources and whether data is "
@@ -124,7 +125,7 @@ def accuracy_cmd(
             tasks=_split(task, str, "--task"), model=model, modes=_split(modes, str, "--modes"), limit=limit,
             num_samples=num_samples, data_dir=data_dir, context_lens=_split(context_len, int, "--context-len"),
             depths=_split(depths, float, "--depths"), device=device, dtype=default_dtype(dtype, device),
-            top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, sink_blocks=sink_blocks, dense_layers=dense_layers,
+            top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, link_gbps=link_gbps, sink_blocks=sink_blocks, dense_layers=dense_layers,
             draft=draft,
             kv_cache_gb=kv_cache_gb,
             max_num_seqs=max_num_seqs, max_gen_toks=max_gen_toks, sweep=_sweep(sweep), seed=seed,

@@ -23,6 +23,11 @@ HostGbOpt = Annotated[float | None, typer.Option(
 TopKOpt = Annotated[int, typer.Option("--top-k-blocks", help="Working-set blocks per KV head (+1 local).")]
 FetchRatioOpt = Annotated[float, typer.Option("--fetch-ratio", help="Per-step admission cap as a fraction of "
                                               "top-k-blocks.")]
+LinkGbpsOpt = Annotated[float, typer.Option(
+    "--link-gbps", min=0.0, help="Prefetch modes: size each decode step's fetch cap by the link, the paper's "
+    "C_token = B_link x T_decode: the copies this many GB/s move in one measured decode step, shared by its "
+    "requests, never below the --fetch-ratio cap. 0: the fixed cap. Set it below the rate the prefetch reaches "
+    "(an H200: ~43 GB/s).")]
 DraftOpt = Annotated[str, typer.Option("--draft", help="Draft source for oasiskv: ngram, layerskip[:N], "
                                        "model:<path>, eagle3:<path>, oracle.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Engine and workload seed.")]

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, HostGbOpt,
+                                    LinkGbpsOpt,
                                     KvGbOpt, ModelOpt, SeedOpt, default_device)
 from oasisbench.cli.report import fail
 from oasisbench.results.plots import plots_available, write_plots
@@ -144,6 +145,7 @@ def throughput_cmd(
         "paper's); 16 on CPU, since the CPU default context of 1K tokens is only 64 blocks and 128 would make "
         "every sparse mode dense.", show_default=False)] = None,
     fetch_ratio: FetchRatioOpt = 0.05,
+    link_gbps: LinkGbpsOpt = 0.0,
     draft: DraftOpt = "ngram",
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
@@ -175,6 +177,8 @@ def throughput_cmd(
         common["host_kv_gb"] = host_kv_gb
     if device_tier:
         common["device_tier"] = True
+    if link_gbps:
+        common["link_gbps"] = link_gbps
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
     points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
               for ctx in contexts for c in concurrencies for m in mode_list]

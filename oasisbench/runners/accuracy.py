@@ -33,7 +33,7 @@ from typing import Any, Callable
 from oasisbench.accuracy import tasks as T
 from oasisbench.results.store import RunStore, atomic_write_json, atomic_write_text
 
-SWEEP_KEYS = ("top_k_blocks", "fetch_ratio", "sink_blocks", "dense_layers")
+SWEEP_KEYS = ("top_k_blocks", "fetch_ratio", "sink_blocks", "dense_layers", "link_gbps")
 _INT_SWEEP_KEYS = ("top_k_blocks", "sink_blocks", "dense_layers")
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 #: NIAH samples per (task, context length) when --limit is not given: two per default depth.
@@ -62,6 +62,8 @@ class AccuracyConfig:
     dtype: str = "float32"
     top_k_blocks: int = 128
     fetch_ratio: float = 0.05
+    link_gbps: float = 0.0
+    """Prefetch modes: the per-step fetch cap from the link's budget (``SparseConfig.link_gbps``); 0: fixed."""
     sink_blocks: int = 0
     """Leading blocks every sparse mode always attends (attention sinks); part of the top-K budget."""
     dense_layers: int = 0
@@ -170,7 +172,8 @@ def _env(cfg: AccuracyConfig) -> dict[str, Any]:
 
 def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any]) -> dict[str, Any]:
     """The engine options of one setting: the run's, then the sweep's override."""
-    opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, sink_blocks=cfg.sink_blocks,
+    opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, link_gbps=cfg.link_gbps,
+                sink_blocks=cfg.sink_blocks,
                 dense_layers=cfg.dense_layers, draft=cfg.draft, kv_cache_gb=cfg.kv_cache_gb,
                 max_num_seqs=cfg.max_num_seqs) | setting
     opts["dense_layers"] = tuple(range(opts["dense_layers"]))  # the engine takes the layers' indices

@@ -57,6 +57,7 @@ POINT_DEFAULTS: dict[str, Any] = {
     "sink_blocks": 0,
     "gather_copies": None,
     "pipeline_priority": None,
+    "link_gbps": None,
     "dense_layers": [],
     "measure_recall": False,
     "max_num_batched_tokens": 2048,
@@ -65,7 +66,7 @@ POINT_DEFAULTS: dict[str, Any] = {
 #: Point keys that go to the engine as overrides (plus ``max_num_seqs = concurrency``).
 ENGINE_KEYS = ("kv_cache_gb", "top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks",
                "dense_layers", "measure_recall", "max_num_batched_tokens", "cuda_graphs", "device_tier",
-               "gather_copies", "pipeline_priority")
+               "gather_copies", "pipeline_priority", "link_gbps")
 #: run_stats() counters copied into every record (extra backend counters are copied too).
 RUN_STAT_KEYS = ("max_running_batch", "mean_running_batch", "num_preemptions", "fetched_blocks_per_step",
                  "fetched_bytes_per_step", "deferred_blocks_per_step", "prediction_recall", "draft_accuracy",

@@ -92,6 +92,9 @@ class ModelRunner:
         With CUDA graphs (``graphs``) the step's decode requests run on the static layout (replayed when
         captured) and any prefill chunks of the same step run eagerly after them."""
         drafts = drafts or {}
+        new_step = getattr(self.backend, "new_step", None)
+        if new_step is not None:  # e.g. the sparse modes' per-step fetch cap, baked into the graph key below
+            new_step(sched)
         # (requests, their logits) of each part of the step, sampled at its end: sampling reads the tokens back
         # to the host, which waits for the GPU. Sampling a split step's decode part before launching its prefill
         # part left the host idle through the replay and then the GPU idle while the host set up the prefill

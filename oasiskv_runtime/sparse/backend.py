@@ -35,6 +35,7 @@ from oasiskv_runtime.ops.summary_update import update_summaries, update_summarie
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.uva_gather import (PoolTier, uva_gather, uva_gather_blocks, uva_gather_blocks_ref,
                                             uva_scatter_rows)
+from oasiskv_runtime.sparse.link_cap import LinkCap
 from oasiskv_runtime.sparse.selector_torch import select_rows
 from oasiskv_runtime.sparse.stats import SparseStats
 from oasiskv_runtime.transfer.engine import SyncTransferEngine, TransferPlan
@@ -87,6 +88,10 @@ class SparseAttention:
         elem = device_cache.k[0].element_size()
         self.stats = SparseStats(num_layers, bytes_per_head_block=2 * block_size * head_dim * elem)
         self.dense_layers = set(cfg.dense_layers)
+        prefetched = num_layers - len(self.dense_layers)
+        self.link_cap = LinkCap(self.k_slots, num_kv_heads * prefetched * self.stats.bytes_per_head_block)
+        self.step_cap = cfg.fetch_cap
+        """This step's admission cap per (request, KV head) for the prefetch (:meth:`new_step`)."""
         if mode.uses_host_pool:
             shape = (max_rows, num_layers, num_kv_heads, self.k_slots)
             self.slot_map = torch.full(shape, -1, dtype=torch.long, device=device)
@@ -250,6 +255,15 @@ class SparseAttention:
         self.ready.add(seq_id)
 
     # ---- per step ---------------------------------------------------------------------------------
+    def new_step(self, sched) -> None:
+        """A step starts (before its graph key is taken): its prefetch cap, from ``link_gbps`` and the measured
+        decode-step time, or the fixed ``fetch_cap``."""
+        if not self.mode.prefetches:  # the other modes never read it: keep their graph keys fixed
+            return
+        decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.seq.num_computed_tokens >= 1)
+        self.step_cap = self.link_cap.new_step(decode, decode == len(sched.scheduled), self.cfg.fetch_cap,
+                                               self.cfg.link_gbps)
+
     def begin_step(self, meta: StepMetadata) -> None:
         self.meta = meta
         if self.async_pipeline:
@@ -388,7 +402,7 @@ class SparseAttention:
 
     def graph_key(self) -> tuple:
         """Python values a captured step bakes in besides the batch shape."""
-        return (self.cfg.fetch_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks,
+        return (self.step_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks,
                 self.cfg.gather_ctas, self.cfg.gather_copies, self.cfg.select_kernel, self.cfg.pipeline_priority)
 
     @property
@@ -778,7 +792,7 @@ class SparseAttention:
         if not self.async_pipeline:
             pred = self._predict(layer, pred_q, b, next_step=True)
             self._remember_prediction(layer, b, pred)
-            self._select_and_fetch(layer, b, pred, self.cfg.fetch_cap)
+            self._select_and_fetch(layer, b, pred, self.step_cap)
             return
         # predict -> select -> transfer on three streams; the transfer also waits for this layer's attention,
         # which still reads the slots it is about to overwrite.
@@ -795,7 +809,7 @@ class SparseAttention:
         s_sel.wait_stream(s_pred)
         pred.record_stream(s_sel)
         with torch.cuda.stream(s_sel):
-            self._plan_and_fetch(layer, b, pred, self.cfg.fetch_cap, initial=False, stream=s_xfer)
+            self._plan_and_fetch(layer, b, pred, self.step_cap, initial=False, stream=s_xfer)
 
     def _remember_prediction(self, layer: int, b: DecodeBatch, pred: torch.Tensor) -> None:
         """Keep this step's prediction for the next step's recall (with the requests it was made for)."""
@@ -915,6 +929,7 @@ class SparseAttention:
     def reset_counters(self) -> None:
         """Zero the traffic and recall counters (benchmarks measure a window of steps)."""
         self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
+        self.link_cap.reset_counts()
         self.pending_pred.clear()
         if self.async_pipeline:
             torch.cuda.current_stream(self.device).wait_stream(self.streams[2])  # its counting is done
@@ -928,7 +943,10 @@ class SparseAttention:
             self.stats.deferred_by_layer = self.dev_deferred.tolist()
             self.stats.initial_fill_blocks = int(self.dev_initial)
             self.stats.max_step_fetched = int(self.dev_step_max)
-        return self.stats.run_stats()
+        out = self.stats.run_stats()
+        if self.mode.prefetches:
+            out["mean_fetch_cap"] = self.link_cap.mean_cap()
+        return out
 
     def request_metrics(self, seq_id: int) -> dict:
         return self.stats.request_metrics(seq_id)
