@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import time
 from dataclasses import replace
@@ -174,6 +175,19 @@ def _switches(text: str) -> list[bool | None]:
     return [bool(int(x)) for x in text.split(",")] if text else [None]
 
 
+#: A/B engine settings of the gathering modes: (option, SparseConfig field, parser of its list, help).
+VARIANT_OPTIONS = (
+    ("--gather-ctas", "gather_ctas", _ints, "UVA gather grids (0: one CTA per copy), e.g. 32,16"),
+    ("--gather-copies", "gather_copies", _ints, "copies in flight per CTA of the UVA gather, e.g. 1,4"),
+    ("--select-kernel", "select_kernel", _switches,
+     "the fused selection + plan kernel (1) against its PyTorch composition (0), e.g. 1,0"),
+    ("--pipeline-priority", "pipeline_priority", _ints,
+     "CUDA priorities of the prefetch pipeline's streams (lower is higher), e.g. 0,-1"),
+    ("--link-gbps", "link_gbps", _floats, "per-step fetch caps from the link's budget in GB/s (0: the fixed cap), "
+     "e.g. 0,30"),
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -192,21 +206,9 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="write a cProfile summary of a few steps per point here")
     ap.add_argument("--kernel-profile", default="",
                     help="append a torch.profiler table (top ops by GPU time, eager steps) per point to this file")
-    ap.add_argument("--gather-ctas", default="",
-                    help="UVA gather grids to compare per point in oasiskv / fetch-on-demand (0: one CTA per copy); "
-                         "default: the engine's")
-    ap.add_argument("--gather-copies", default="",
-                    help="copies in flight per CTA of the UVA gather to compare per point in oasiskv / "
-                         "fetch-on-demand, e.g. 1,4; default: the engine's")
-    ap.add_argument("--pipeline-priority", default="",
-                    help="CUDA priorities of the prefetch pipeline's streams to compare per point in oasiskv / "
-                         "fetch-on-demand, e.g. 0,-1 (lower is higher); default: the engine's")
-    ap.add_argument("--link-gbps", default="",
-                    help="per-step fetch caps from the link's budget to compare per point in oasiskv / "
-                         "fetch-on-demand, e.g. 0,30 (GB/s; 0: the fixed cap); default: the engine's")
-    ap.add_argument("--select-kernel", default="",
-                    help="compare the fused selection + plan kernel (1) with its PyTorch composition (0) per point "
-                         "in oasiskv / fetch-on-demand, e.g. 1,0; default: the engine's")
+    for flag, _key, _parse, text in VARIANT_OPTIONS:
+        ap.add_argument(flag, default="", help=f"{text}; compared per point in oasiskv / fetch-on-demand; "
+                                               "default: the engine's")
     ap.add_argument("--fused-norm-rope", default="",
                     help="compare RMSNorm and q/k norm + rotary as one kernel each (1) with their PyTorch composition "
                          "(0) per point, in every mode, e.g. 1,0; default: the engine's")
@@ -217,11 +219,9 @@ def main() -> None:
                     help="decode-step execution per point, side by side on one engine: off (eager), auto (CUDA graphs)")
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
-    variants = [{k: v for k, v in (("gather_ctas", g), ("gather_copies", gc), ("select_kernel", sk),
-                                   ("pipeline_priority", pp), ("link_gbps", lg)) if v is not None}
-                for g in _ints(args.gather_ctas) for gc in _ints(args.gather_copies)
-                for sk in _switches(args.select_kernel) for pp in _ints(args.pipeline_priority)
-                for lg in _floats(args.link_gbps)]
+    # Every combination of the A/B options given (an option left out is the engine's default, not a key here).
+    choices = [[(key, v) for v in parse(getattr(args, key))] for _flag, key, parse, _text in VARIANT_OPTIONS]
+    variants = [{k: v for k, v in combo if v is not None} for combo in itertools.product(*choices)]
     fused_list = _switches(args.fused_norm_rope)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
