@@ -28,7 +28,7 @@ def test_pow2_floor():
 def test_no_link_keeps_the_fixed_cap_and_reads_no_clock():
     lc = LinkCap(ceiling=128, bytes_per_request_unit=UNIT, clock=Clock([]))
     assert [lc.new_step(8, True, 7, 0.0) for _ in range(3)] == [7, 7, 7]
-    assert lc.step_seconds is None and lc.mean_cap() == 7
+    assert lc.step_seconds == {} and lc.mean_cap() == 7
 
 
 def test_cap_is_the_links_bytes_in_one_step_shared_by_the_requests():
@@ -36,26 +36,26 @@ def test_cap_is_the_links_bytes_in_one_step_shared_by_the_requests():
     lc = LinkCap(ceiling=128, bytes_per_request_unit=UNIT, clock=Clock([0.0, 0.02, 0.04]))
     assert lc.new_step(4, True, 7, 10.0) == 7        # nothing measured yet: the fixed cap
     assert lc.new_step(4, True, 7, 10.0) == 32
-    assert lc.step_seconds == pytest.approx(0.02)
+    assert lc.step_seconds == {True: pytest.approx(0.02)}
     assert lc.cap_for(1, 7, 10.0) == 128             # 200 units, past the working set: its size
     assert lc.cap_for(40, 7, 10.0) == 7              # 5 units: the fixed cap is the floor
     assert lc.cap_for(30, 2, 10.0) == 4              # 6.7 units -> 4
     assert lc.cap_for(300, 2, 10.0) == 2             # under one unit: the floor
+    assert lc.cap_for(4, 2, 10.0, decode_only=False) == 2  # no step that carries a prefill timed yet
     assert lc.new_step(0, True, 7, 10.0) == 7        # a step with no decode request is not counted
     assert lc.mean_cap() == pytest.approx((7 + 32) / 2)
 
 
-def test_only_decode_only_intervals_are_timed_and_averaged():
-    # decode@0, prefill-carrying@1, decode@5, decode@5.01, decode@5.04
+def test_each_step_kind_has_its_own_time():
+    # decode@0, prefill-carrying@0.01 (the decode step took 10 ms), prefill-carrying@0.41 (400 ms),
+    # decode@0.81 (400 ms), decode@0.84 (30 ms)
     lc = LinkCap(ceiling=128, bytes_per_request_unit=UNIT, smoothing=0.25,
-                 clock=Clock([0.0, 1.0, 5.0, 5.01, 5.04]))
-    for decode_only in (True, False, True):
-        lc.new_step(2, decode_only, 1, 1.0)
-    assert lc.step_seconds is None                    # 0->1 ends in a prefill step, 1->5 starts in one
-    lc.new_step(2, True, 1, 1.0)
-    assert lc.step_seconds == pytest.approx(0.01)
-    lc.new_step(2, True, 1, 1.0)
-    assert lc.step_seconds == pytest.approx(0.25 * 0.03 + 0.75 * 0.01)
+                 clock=Clock([0.0, 0.01, 0.41, 0.81, 0.84]))
+    caps = [lc.new_step(2, kind, 1, 1.0) for kind in (True, False, False, True, True)]
+    assert lc.step_seconds[False] == pytest.approx(0.25 * 0.4 + 0.75 * 0.4)
+    assert lc.step_seconds[True] == pytest.approx(0.25 * 0.03 + 0.75 * 0.01)
+    # 1 GB/s: a 10 ms decode step moves 10 MB = 5 units per request -> 4; a 400 ms step 200 -> 128.
+    assert caps == [1, 1, 128, 4, 4]
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +108,8 @@ def test_reset_counts_keeps_the_step_time_and_skips_the_pause():
     lc.new_step(4, True, 7, 10.0)
     lc.new_step(4, True, 7, 10.0)
     lc.reset_counts()
-    assert lc.mean_cap() is None and lc.step_seconds == pytest.approx(0.02)
+    assert lc.mean_cap() is None and lc.step_seconds == {True: pytest.approx(0.02)}
     assert lc.new_step(4, True, 7, 10.0) == 32       # the 100 s pause is not a step
-    assert lc.step_seconds == pytest.approx(0.02)
+    assert lc.step_seconds == {True: pytest.approx(0.02)}
     lc.new_step(4, True, 7, 10.0)
-    assert lc.step_seconds == pytest.approx(0.25 * 0.03 + 0.75 * 0.02)
+    assert lc.step_seconds == {True: pytest.approx(0.25 * 0.03 + 0.75 * 0.02)}

@@ -25,7 +25,7 @@ FetchRatioOpt = Annotated[float, typer.Option("--fetch-ratio", help="Per-step ad
                                               "top-k-blocks.")]
 LinkGbpsOpt = Annotated[float, typer.Option(
     "--link-gbps", min=0.0, help="Prefetch modes: size each decode step's fetch cap by the link, the paper's "
-    "C_token = B_link x T_decode: the copies this many GB/s move in one measured decode step, shared by its "
+    "C_token = B_link x T_decode: the copies this many GB/s move in one step (measured, by kind), shared by its "
     "requests, never below the --fetch-ratio cap. 0: the fixed cap. Set it below the rate the prefetch reaches "
     "(an H200: ~43 GB/s).")]
 DraftOpt = Annotated[str, typer.Option("--draft", help="Draft source for oasiskv: ngram, layerskip[:N], "

@@ -257,7 +257,7 @@ class SparseAttention:
     # ---- per step ---------------------------------------------------------------------------------
     def new_step(self, sched) -> None:
         """A step starts (before its graph key is taken): its prefetch cap, from ``link_gbps`` and the measured
-        decode-step time, or the fixed ``fetch_cap``."""
+        step times, or the fixed ``fetch_cap``."""
         if not self.mode.prefetches:  # the other modes never read it: keep their graph keys fixed
             return
         decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.seq.num_computed_tokens >= 1)

@@ -9,11 +9,13 @@ rate, shared by the step's requests, and never below the fixed cap:
     cap = clamp(pow2_floor(link_bytes_per_s * T_step / (batch * hkv * layers * bytes_per_head_block)),
                 fetch_cap, k_slots)
 
-``T_step`` is a moving average of the wall time between consecutive decode-only steps (a step that carries a
-prefill chunk is not a decode step's time). The cap is rounded down to a power of two so that a CUDA graph,
-which bakes the cap in, is captured for a handful of values rather than one per step. Small batches and
-small models get caps up to the whole working set (fewer deferred blocks, the selection the prediction
-asked for); at large batches the fixed cap stays the floor.
+``T_step`` is a moving average of measured step times (from one step's start to the next's), kept apart for
+decode-only steps and for steps that carry a prefill chunk, and the step's own kind is used: the blocks a step
+prefetches for the next are copied while the rest of the step runs, and a step that carries a prefill chunk
+takes many times longer. The cap is rounded down to a power of two so that a CUDA graph, which bakes the cap in,
+is captured for a handful of values rather than one per step. Small batches and small models get caps up to
+the whole working set (fewer deferred blocks, the selection the prediction asked for); at large batches the
+fixed cap stays the floor.
 
 Set ``link_gbps`` below the rate the prefetch gather reaches (an H200: ~43 GB/s at 64-128 requests): if the
 transfers set the step's time, a larger cap lengthens the step, and the next cap grows with it.
@@ -47,40 +49,41 @@ class LinkCap:
         self.unit = bytes_per_request_unit
         self.smoothing = smoothing
         self.clock = clock
-        self.step_seconds: float | None = None
-        """Moving average of the time between two consecutive decode-only steps; None until measured."""
+        self.step_seconds: dict[bool, float] = {}
+        """Moving average of measured step times by kind: decode-only (True) or carrying a prefill (False)."""
         self._last: tuple[float, bool] | None = None
         self.cap_sum = 0
         self.cap_steps = 0
 
     def new_step(self, num_decode: int, decode_only: bool, floor: int, link_gbps: float) -> int:
-        """Called as each step starts: times the step before it and returns this step's cap for
-        ``num_decode`` decoding requests (``floor``: the fixed cap; ``link_gbps`` 0: always ``floor``)."""
+        """Called as each step starts: times the step before it (as one of its kind) and returns this step's cap
+        for ``num_decode`` decoding requests (``floor``: the fixed cap; ``link_gbps`` 0: always ``floor``)."""
         if link_gbps > 0:
             now = self.clock()
-            if self._last is not None and self._last[1] and decode_only:
-                dt = now - self._last[0]
-                self.step_seconds = dt if self.step_seconds is None else (
-                    self.smoothing * dt + (1 - self.smoothing) * self.step_seconds)
+            if self._last is not None:
+                start, kind = self._last
+                dt, prev = now - start, self.step_seconds.get(kind)
+                self.step_seconds[kind] = dt if prev is None else self.smoothing * dt + (1 - self.smoothing) * prev
             self._last = (now, decode_only)
-        cap = self.cap_for(num_decode, floor, link_gbps)
+        cap = self.cap_for(num_decode, floor, link_gbps, decode_only)
         if num_decode:
             self.cap_sum += cap
             self.cap_steps += 1
         return cap
 
-    def cap_for(self, num_decode: int, floor: int, link_gbps: float) -> int:
-        """The cap for a step of ``num_decode`` requests at the measured step time."""
-        if link_gbps <= 0 or self.step_seconds is None or num_decode <= 0:
+    def cap_for(self, num_decode: int, floor: int, link_gbps: float, decode_only: bool = True) -> int:
+        """The cap for a step of ``num_decode`` requests at the measured time of steps of its kind."""
+        seconds = self.step_seconds.get(decode_only)
+        if link_gbps <= 0 or seconds is None or num_decode <= 0:
             return floor
-        budget = link_gbps * 1e9 * self.step_seconds / (num_decode * self.unit)
+        budget = link_gbps * 1e9 * seconds / (num_decode * self.unit)
         if budget >= self.ceiling:
             return max(floor, self.ceiling)
         return max(floor, pow2_floor(int(budget))) if budget >= 1 else floor
 
     def reset_counts(self) -> None:
         """Zero the mean cap's counts and forget the last step's start (the next interval would span the pause
-        between two measured windows); the measured step time stays."""
+        between two measured windows); the measured step times stay."""
         self.cap_sum = self.cap_steps = 0
         self._last = None
 
