@@ -160,30 +160,25 @@ def reset(eng: LLMEngine) -> None:
     eng.scheduler.running.clear()
 
 
-def _ints(text: str) -> list[int | None]:
-    """A list option ("32,16") as its values; "" -> [None] (the engine's default)."""
-    return [int(x) for x in text.split(",")] if text else [None]
+def _values(text: str, cast) -> list:
+    """A list option ("32,16", "0,30", a switch "1,0") as its values by ``cast``; "" -> [None] (the engine's
+    default)."""
+    return [cast(x) for x in text.split(",")] if text else [None]
 
 
-def _floats(text: str) -> list[float | None]:
-    """A list option of numbers ("0,30"); "" -> [None] (the engine's default)."""
-    return [float(x) for x in text.split(",")] if text else [None]
+def _switch(x: str) -> bool:
+    return bool(int(x))
 
 
-def _switches(text: str) -> list[bool | None]:
-    """An A/B switch option ("1,0") as its settings; "" -> [None] (the engine's default)."""
-    return [bool(int(x)) for x in text.split(",")] if text else [None]
-
-
-#: A/B engine settings of the gathering modes: (option, SparseConfig field, parser of its list, help).
+#: A/B engine settings of the gathering modes: (option, SparseConfig field, type of its values, help).
 VARIANT_OPTIONS = (
-    ("--gather-ctas", "gather_ctas", _ints, "UVA gather grids (0: one CTA per copy), e.g. 32,16"),
-    ("--gather-copies", "gather_copies", _ints, "copies in flight per CTA of the UVA gather, e.g. 1,4"),
-    ("--select-kernel", "select_kernel", _switches,
+    ("--gather-ctas", "gather_ctas", int, "UVA gather grids (0: one CTA per copy), e.g. 32,16"),
+    ("--gather-copies", "gather_copies", int, "copies in flight per CTA of the UVA gather, e.g. 1,4"),
+    ("--select-kernel", "select_kernel", _switch,
      "the fused selection + plan kernel (1) against its PyTorch composition (0), e.g. 1,0"),
-    ("--pipeline-priority", "pipeline_priority", _ints,
+    ("--pipeline-priority", "pipeline_priority", int,
      "CUDA priorities of the prefetch pipeline's streams (lower is higher), e.g. 0,-1"),
-    ("--link-gbps", "link_gbps", _floats, "per-step fetch caps from the link's budget in GB/s (0: the fixed cap), "
+    ("--link-gbps", "link_gbps", float, "per-step fetch caps from the link's budget in GB/s (0: the fixed cap), "
      "e.g. 0,30"),
 )
 
@@ -220,9 +215,9 @@ def main() -> None:
     args = ap.parse_args()
     args.batch_list = [int(x) for x in args.batch.split(",")]
     # Every combination of the A/B options given (an option left out is the engine's default, not a key here).
-    choices = [[(key, v) for v in parse(getattr(args, key))] for _flag, key, parse, _text in VARIANT_OPTIONS]
+    choices = [[(key, v) for v in _values(getattr(args, key), cast)] for _flag, key, cast, _text in VARIANT_OPTIONS]
     variants = [{k: v for k, v in combo if v is not None} for combo in itertools.product(*choices)]
-    fused_list = _switches(args.fused_norm_rope)
+    fused_list = _values(args.fused_norm_rope, _switch)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
                "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "points": [], "sweep": []}

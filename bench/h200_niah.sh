@@ -28,11 +28,11 @@ DRAFT=${DRAFT:-ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m}
 # One accuracy command: $1 context lengths, $2 top_k_blocks, $3 suffix of the files in $OUT ("" or -CTX).
 accuracy() {
   rm -rf $ACC  # a warm machine keeps /tmp: copy_out must see this command's run only
+  local files="report.md accuracy.json"
+  [ -z "$3" ] && files="$files config.json env.json"  # one command: its config and env too (8 files come back)
   copy_out() {
-    local d; d=$(ls -d $ACC/*/*/ 2>/dev/null | head -1)
-    [ -n "$d" ] && for f in report.md accuracy.json config.json env.json; do
-      [ -z "$3" ] || [ "$f" = report.md ] || [ "$f" = accuracy.json ] && cp -f "$d/$f" "$OUT/${f%.*}$3.${f##*.}" 2>/dev/null
-    done
+    local d f; d=$(ls -d $ACC/*/*/ 2>/dev/null | head -1)
+    [ -n "$d" ] && for f in $files; do cp -f "$d/$f" "$OUT/${f%.*}$3.${f##*.}" 2>/dev/null; done
     return 0
   }
   ( while sleep 15; do copy_out "$@"; done ) &

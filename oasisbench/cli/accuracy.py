@@ -125,8 +125,8 @@ def accuracy_cmd(
             tasks=_split(task, str, "--task"), model=model, modes=_split(modes, str, "--modes"), limit=limit,
             num_samples=num_samples, data_dir=data_dir, context_lens=_split(context_len, int, "--context-len"),
             depths=_split(depths, float, "--depths"), device=device, dtype=default_dtype(dtype, device),
-            top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, link_gbps=link_gbps, sink_blocks=sink_blocks, dense_layers=dense_layers,
-            draft=draft,
+            top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, link_gbps=link_gbps, sink_blocks=sink_blocks,
+            dense_layers=dense_layers, draft=draft,
             kv_cache_gb=kv_cache_gb,
             max_num_seqs=max_num_seqs, max_gen_toks=max_gen_toks, sweep=_sweep(sweep), seed=seed,
             output_dir=output_dir)

@@ -18,8 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, HostGbOpt,
-                                    LinkGbpsOpt,
-                                    KvGbOpt, ModelOpt, SeedOpt, default_device)
+                                    KvGbOpt, LinkGbpsOpt, ModelOpt, SeedOpt, default_device)
 from oasisbench.cli.report import fail
 from oasisbench.results.plots import plots_available, write_plots
 from oasisbench.results.report import render_report

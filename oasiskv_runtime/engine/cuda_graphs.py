@@ -243,7 +243,7 @@ class DecodeGraphs:
         dense 2-20% slower in prefill-heavy runs)."""
         if self.disabled_reason is not None or self.runner.capture_layers:
             return None
-        decode = [s for s in sched.scheduled if s.num_tokens == 1 and s.completes and s.seq.num_computed_tokens >= 1]
+        decode = [s for s in sched.scheduled if s.is_decode]
         if not decode or len(decode) > self.max_requests:
             return None
         be = self.runner.backend

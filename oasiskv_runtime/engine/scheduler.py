@@ -28,6 +28,12 @@ class ScheduledSeq:
         """This step computes the sequence's last pending token, so a new token is sampled."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """A decode entry: one new token after a computed context, sampled at the end of the step (what the CUDA
+        graphs run on the static layout)."""
+        return self.num_tokens == 1 and self.completes and self.seq.num_computed_tokens >= 1
+
 
 @dataclass
 class SchedulerOutput:

@@ -260,7 +260,7 @@ class SparseAttention:
         step times, or the fixed ``fetch_cap``."""
         if not self.mode.prefetches:  # the other modes never read it: keep their graph keys fixed
             return
-        decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.seq.num_computed_tokens >= 1)
+        decode = sum(1 for s in sched.scheduled if s.is_decode)
         self.step_cap = self.link_cap.new_step(decode, decode == len(sched.scheduled), self.cfg.fetch_cap,
                                                self.cfg.link_gbps)
 
