@@ -235,11 +235,12 @@ class SparseConfig:
 
     link_gbps: float = 0.0
     """The per-step fetch budget from the link (the paper's C_token = B_link x T_decode), in GB/s: each decode
-    step's cap becomes the (block, head) copies per request that this rate moves in one step's time (a moving
-    average of measured steps of its kind: decode-only, or carrying a prefill), shared by the step's requests,
-    rounded down to a power of two, never below ``fetch_cap`` nor above ``top_k_blocks``. 0: the fixed ``fetch_cap`` every step. Set it below
-    the rate the prefetch reaches (an H200: ~43 GB/s): a step the transfers make longer would raise the next
-    cap (``oasiskv_runtime.sparse.link_cap``)."""
+    step's cap becomes the (block, head) copies per request that this rate moves in one step's time (the
+    shortest of the latest measured steps of its kind: decode-only, or carrying a prefill), shared by the step's
+    requests, rounded down to a power of two, at most twice the last cap, never below ``fetch_cap`` nor above
+    ``top_k_blocks``. 0: the fixed ``fetch_cap`` every step. Set it below the rate the prefetch reaches (an
+    H200: ~43 GB/s): a step the transfers make longer would raise the next cap
+    (``oasiskv_runtime.sparse.link_cap``)."""
 
     pipeline_priority: int = 0
     """CUDA priority of the prefetch pipeline's three background streams (prediction, selection, transfer): lower

@@ -9,21 +9,27 @@ rate, shared by the step's requests, and never below the fixed cap:
     cap = clamp(pow2_floor(link_bytes_per_s * T_step / (batch * hkv * layers * bytes_per_head_block)),
                 fetch_cap, k_slots)
 
-``T_step`` is a moving average of measured step times (from one step's start to the next's), kept apart for
-decode-only steps and for steps that carry a prefill chunk, and the step's own kind is used: the blocks a step
-prefetches for the next are copied while the rest of the step runs, and a step that carries a prefill chunk
-takes many times longer. The cap is rounded down to a power of two so that a CUDA graph, which bakes the cap in,
+``T_step`` is the shortest of the last ``window`` measured step times (from one step's start to the next's),
+kept apart for decode-only steps and for steps that carry a prefill chunk, and the step's own kind is used: the
+blocks a step prefetches for the next are copied while the rest of the step runs, and a step that carries a
+prefill chunk takes many times longer. The shortest, not a mean: a step that captured a CUDA graph (each new cap
+value is a new graph key, captured on its second step) or waited on the host takes many times longer than a
+replay, and on the H200 a moving average of such steps raised the cap, which made new keys and more captures
+(bench/NOTES.md: caps of 30-100 and 80-685 ms steps where the fixed cap's took 11-46 ms). A cap also grows by
+at most a factor of two per step of its kind, so a long first interval cannot jump it to the working set. The cap is rounded down to a power of two so that a CUDA graph, which bakes the cap in,
 is captured for a handful of values rather than one per step. Small batches and small models get caps up to
 the whole working set (fewer deferred blocks, the selection the prediction asked for); at large batches the
 fixed cap stays the floor.
 
-Set ``link_gbps`` below the rate the prefetch gather reaches (an H200: ~43 GB/s at 64-128 requests): if the
-transfers set the step's time, a larger cap lengthens the step, and the next cap grows with it.
+Set ``link_gbps`` below the rate the prefetch gather reaches (an H200: ~43 GB/s at 64-128 requests): when the
+transfers set the step's time, the next cap is that step's bytes scaled by ``link_gbps`` / the rate reached, so
+it shrinks back only if that ratio is below one.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable
 
 
@@ -39,18 +45,18 @@ class LinkCap:
         ceiling: the most copies per (request, KV head) a step can need (the working set's slots).
         bytes_per_request_unit: bytes one unit of cap lets one request move in a step: a (block, head) copy
             in every KV head of every layer.
-        smoothing: weight of the newest decode-step time in the moving average.
+        window: how many of the latest step times of each kind the shortest is taken from.
         clock: seconds, monotonic (tests pass their own).
     """
 
-    def __init__(self, ceiling: int, bytes_per_request_unit: int, smoothing: float = 0.25,
+    def __init__(self, ceiling: int, bytes_per_request_unit: int, window: int = 16,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.ceiling = ceiling
         self.unit = bytes_per_request_unit
-        self.smoothing = smoothing
         self.clock = clock
-        self.step_seconds: dict[bool, float] = {}
-        """Moving average of measured step times by kind: decode-only (True) or carrying a prefill (False)."""
+        self._times: dict[bool, deque[float]] = {True: deque(maxlen=window), False: deque(maxlen=window)}
+        self._caps: dict[bool, int] = {}
+        """The last cap given to a step of each kind: the next may be at most twice it."""
         self._last: tuple[float, bool] | None = None
         self.cap_sum = 0
         self.cap_steps = 0
@@ -62,17 +68,27 @@ class LinkCap:
             now = self.clock()
             if self._last is not None:
                 start, kind = self._last
-                dt, prev = now - start, self.step_seconds.get(kind)
-                self.step_seconds[kind] = dt if prev is None else self.smoothing * dt + (1 - self.smoothing) * prev
+                self._times[kind].append(now - start)
             self._last = (now, decode_only)
         cap = self.cap_for(num_decode, floor, link_gbps, decode_only)
+        if link_gbps > 0 and num_decode:
+            last = self._caps.get(decode_only)
+            if last is not None:
+                cap = min(cap, max(floor, pow2_floor(2 * last)))
+            self._caps[decode_only] = cap
         if num_decode:
             self.cap_sum += cap
             self.cap_steps += 1
         return cap
 
+    @property
+    def step_seconds(self) -> dict[bool, float]:
+        """The step time the cap uses, by kind (decode-only: True): the shortest of the latest measured."""
+        return {kind: min(times) for kind, times in self._times.items() if times}
+
     def cap_for(self, num_decode: int, floor: int, link_gbps: float, decode_only: bool = True) -> int:
-        """The cap for a step of ``num_decode`` requests at the measured time of steps of its kind."""
+        """The cap for a step of ``num_decode`` requests at the measured time of steps of its kind (before the
+        growth limit of :meth:`new_step`)."""
         seconds = self.step_seconds.get(decode_only)
         if link_gbps <= 0 or seconds is None or num_decode <= 0:
             return floor
