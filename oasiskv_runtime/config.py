@@ -239,8 +239,8 @@ class SparseConfig:
     shortest of the latest measured steps of its kind: decode-only, or carrying a prefill), shared by the step's
     requests, rounded down to a power of two, at most twice the last cap, never below ``fetch_cap`` nor above
     ``top_k_blocks``. 0: the fixed ``fetch_cap`` every step. Set it below the rate the prefetch reaches (an
-    H200: ~43 GB/s): a step the transfers make longer would raise the next cap
-    (``oasiskv_runtime.sparse.link_cap``)."""
+    H200: ~43 GB/s): once the transfers set the step's time, a cap shrinks back only if this rate is below the
+    one reached (``oasiskv_runtime.sparse.link_cap``)."""
 
     pipeline_priority: int = 0
     """CUDA priority of the prefetch pipeline's three background streams (prediction, selection, transfer): lower

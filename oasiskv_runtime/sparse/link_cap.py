@@ -15,11 +15,11 @@ blocks a step prefetches for the next are copied while the rest of the step runs
 prefill chunk takes many times longer. The shortest, not a mean: a step that captured a CUDA graph (each new cap
 value is a new graph key, captured on its second step) or waited on the host takes many times longer than a
 replay, and on the H200 a moving average of such steps raised the cap, which made new keys and more captures
-(bench/NOTES.md: caps of 30-100 and 80-685 ms steps where the fixed cap's took 11-46 ms). A cap also grows by
-at most a factor of two per step of its kind, so a long first interval cannot jump it to the working set. The cap is rounded down to a power of two so that a CUDA graph, which bakes the cap in,
-is captured for a handful of values rather than one per step. Small batches and small models get caps up to
-the whole working set (fewer deferred blocks, the selection the prediction asked for); at large batches the
-fixed cap stays the floor.
+(bench/NOTES.md: caps of 6-100 and steps of 55-685 ms where the fixed cap's took 11-46 ms). A cap also grows by
+at most a factor of two per step of its kind, so a long first interval cannot jump it to the working set. The
+cap is rounded down to a power of two so that a CUDA graph, which bakes the cap in, is captured for a handful of
+values rather than one per step. Small batches and small models get caps up to the whole working set (fewer
+deferred blocks, the selection the prediction asked for); at large batches the fixed cap stays the floor.
 
 Set ``link_gbps`` below the rate the prefetch gather reaches (an H200: ~43 GB/s at 64-128 requests): when the
 transfers set the step's time, the next cap is that step's bytes scaled by ``link_gbps`` / the rate reached, so
