@@ -29,21 +29,24 @@ import time
 
 import torch
 
-from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+from oasiskv_runtime.attention.ref import attend_ref
 from oasiskv_runtime.drafts.eagle3 import Eagle3Head
 from oasiskv_runtime.models.loader import load_model
+from oasiskv_runtime.ops.score_topk import quest_scores_ref
 from oasisbench.runners.recall import essay_windows
+from oasisbench.runners.train_draft import _CausalKV
 
 
-class Recorder:
+class Recorder(_CausalKV):
     """Causal attention over one sequence that keeps every layer's post-rotary q and k (and v)."""
 
     def __init__(self, scale: float) -> None:
-        self.scale, self.q, self.k, self.v = scale, {}, {}, {}
+        super().__init__(scale)
+        self.q, self.k, self.v = {}, {}, {}
 
     def forward(self, layer: int, q, k, v):
         self.q[layer], self.k[layer], self.v[layer] = q, k, v
-        return attend_ref(q, k, v, self.scale, causal_allowed(q.shape[0], k.shape[0], q.device))
+        return super().forward(layer, q, k, v)
 
 
 class LookAhead:
@@ -78,13 +81,11 @@ def run_rows(model, embeds: torch.Tensor, pos: torch.Tensor, rec: Recorder) -> d
 def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, nblocks: int, top_k: int,
                weights: torch.Tensor | None = None) -> torch.Tensor:
     """q: [m, Hq, D] (m look-ahead rows mixed by ``weights`` [m], or m = 1); kmin/kmax: [NB, Hkv, D] ->
-    top-K block ids per KV head [Hkv, K] over the first ``nblocks`` blocks."""
-    hkv = kmin.shape[1]
-    m, hq, d = q.shape
-    g = hq // hkv
-    qg = q.view(m, hkv, g, 1, d)
-    mn, mx = kmin[:nblocks].permute(1, 0, 2)[None, :, None], kmax[:nblocks].permute(1, 0, 2)[None, :, None]
-    s = torch.maximum(qg * mn, qg * mx).sum(-1).amax(2)  # [m, Hkv, NB]
+    top-K block ids per KV head [Hkv, K] over the first ``nblocks`` blocks, by the engine's reference Quest
+    scores (the summaries as one page of NB rows)."""
+    m = q.shape[0]
+    s = quest_scores_ref(q, kmin[None], kmax[None], torch.zeros(m, 1, dtype=torch.long),
+                         torch.full((m,), nblocks), kmin.shape[1], max_candidates=nblocks)  # [m, Hkv, nblocks]
     if weights is not None:
         s = (weights[:, None, None] * s).sum(0, keepdim=True)
     return s[0].topk(min(top_k, nblocks), dim=-1).indices

@@ -64,18 +64,19 @@ class LinkCap:
     def new_step(self, num_decode: int, decode_only: bool, floor: int, link_gbps: float) -> int:
         """Called as each step starts: times the step before it (as one of its kind) and returns this step's cap
         for ``num_decode`` decoding requests (``floor``: the fixed cap; ``link_gbps`` 0: always ``floor``)."""
+        cap = floor
         if link_gbps > 0:
             now = self.clock()
             if self._last is not None:
                 start, kind = self._last
                 self._times[kind].append(now - start)
             self._last = (now, decode_only)
-        cap = self.cap_for(num_decode, floor, link_gbps, decode_only)
-        if link_gbps > 0 and num_decode:
-            last = self._caps.get(decode_only)
-            if last is not None:
-                cap = min(cap, max(floor, pow2_floor(2 * last)))
-            self._caps[decode_only] = cap
+            cap = self.cap_for(num_decode, floor, link_gbps, decode_only)
+            if num_decode:
+                last = self._caps.get(decode_only)
+                if last is not None:
+                    cap = min(cap, max(floor, pow2_floor(2 * last)))
+                self._caps[decode_only] = cap
         if num_decode:
             self.cap_sum += cap
             self.cap_steps += 1
@@ -89,10 +90,10 @@ class LinkCap:
     def cap_for(self, num_decode: int, floor: int, link_gbps: float, decode_only: bool = True) -> int:
         """The cap for a step of ``num_decode`` requests at the measured time of steps of its kind (before the
         growth limit of :meth:`new_step`)."""
-        seconds = self.step_seconds.get(decode_only)
-        if link_gbps <= 0 or seconds is None or num_decode <= 0:
+        times = self._times[decode_only]
+        if link_gbps <= 0 or not times or num_decode <= 0:
             return floor
-        budget = link_gbps * 1e9 * seconds / (num_decode * self.unit)
+        budget = link_gbps * 1e9 * min(times) / (num_decode * self.unit)
         if budget >= self.ceiling:
             return max(floor, self.ceiling)
         return max(floor, pow2_floor(int(budget))) if budget >= 1 else floor
