@@ -8,6 +8,8 @@
 #   run(command="bash bench/h200_draft.sh stage .dev/a", carry=[".dev/a"])
 #   run(command="bash bench/h200_draft.sh stage .dev/c", carry=[".dev/c"])
 #   run(command="bash bench/h200_draft.sh run", carry=[".dev/b", ".whl"], timeout_s=540)
+# `recall` (right after `run`, on the same warm machine, carry=[".dev/b", ".whl"], SKIP_PIP=1): the trained
+# head's recalls beside proxy-prefetch and the oracle, without training (NUM_STEPS, TEXTS_A/B, HOLDOUT as in `run`).
 # Everything lands under $OUT (at most 8 files come back): run.log, train.log, recall-{base,head}-{2048,4096}.json,
 # head.tar (config.json, model.safetensors, train_summary.json) and logs.tgz.
 set -u
@@ -40,6 +42,11 @@ RECALL_LIMIT=${RECALL_LIMIT:-300} # per baseline recall invocation
 HEAD_RECALL_LIMIT=${HEAD_RECALL_LIMIT:-120}
 DEADLINE=${DEADLINE:-500}         # stop waiting for the baselines this many seconds after the start
 BATCH_TOKENS=${BATCH_TOKENS:-8192}
+HOLDOUT=${HOLDOUT:-8192}          # essay tokens held out of training (recall's windows come from their start)
+GEN_PROMPT=${GEN_PROMPT:-384}     # excerpt tokens per generated sample (they join the training text too)
+GEN_BATCH=${GEN_BATCH:-512}
+RECALLS=${RECALLS:-1}             # 0: train only (the head's recalls in a later `recall` call)
+NUM_STEPS=${NUM_STEPS:-32}        # forced decode steps per recall text
 NUM_TRAIN=${NUM_TRAIN:-200000}    # more than the essays hold after the holdout: all of them
 EVAL_TOKENS=${EVAL_TOKENS:-8192}
 CACHE_DIR=${CACHE_DIR:-/tmp/cache}
@@ -67,10 +74,24 @@ COPIER=$!
 recall() {  # tag ctx texts drafts [--no-proxy]
   local tag=$1 ctx=$2 n=$3 drafts=$4; shift 4
   timeout $RECALL_LIMIT python3 -m oasisbench.cli.main recall --model $MODEL --context-len $ctx \
-    --num-texts $n --num-steps 32 --drafts "$drafts" --continuation self,text --fetch-ratio 0.05 \
+    --num-texts $n --num-steps $NUM_STEPS --drafts "$drafts" --continuation self,text --fetch-ratio 0.05 \
     --device $DEVICE --dtype float32 --output-dir /tmp/r-$tag-$ctx "$@" > /tmp/logs/recall-$tag-$ctx.log 2>&1
   say "recall $tag $ctx rc=$?"
 }
+
+# `recall`: no training; proxy-prefetch, the oracle, the head in $RUN (the previous `run` call's, still on the warm
+# machine, or NEW_HEAD) alone and with n-gram, and the shipped head with n-gram; --continuation self only.
+if [ "${1:-run}" = recall ]; then
+  NEW=${NEW_HEAD:-$RUN}
+  [ -f $NEW/model.safetensors ] || { say "no head at $NEW"; exit 7; }
+  D=oracle,eagle3:$NEW,ngram+eagle3:$NEW,ngram+eagle3:$HEAD
+  recall base $CTX_A $TEXTS_A $D --continuation self &
+  R1=$!
+  recall base $CTX_B $TEXTS_B $D --continuation self &
+  R2=$!
+  wait $R1 $R2
+  TRAIN=0 RECALLS=0
+fi
 
 # Baselines (proxy-prefetch, ngram, oracle, the shipped CPU-trained head) run beside the training.
 BASE=
@@ -79,19 +100,21 @@ if [ "$BASELINES" = 1 ]; then
   BASE=$!
 fi
 
+if [ "${TRAIN:-1}" = 1 ]; then
 python3 -m oasisbench.cli.main train-draft --model $MODEL --output $RUN --device $DEVICE --seed 0 \
-  --holdout-tokens 8192 --eval-tokens $EVAL_TOKENS --num-train-tokens $NUM_TRAIN --seq-len 1024 --batch-tokens $BATCH_TOKENS \
+  --holdout-tokens $HOLDOUT --eval-tokens $EVAL_TOKENS --num-train-tokens $NUM_TRAIN --seq-len 1024 --batch-tokens $BATCH_TOKENS \
   --steps 20000 --lr 1e-3 --draft-vocab 4096 --intermediate-size 1536 --checkpoint-every 0 \
   --time-limit $TRAIN_LIMIT --time-schedule --cache-dir $CACHE_DIR \
-  --gen-samples $GEN_SAMPLES --gen-eval-samples $GEN_EVAL --gen-prompt-tokens 384 --gen-tokens $GEN_TOKENS \
-  --gen-batch 512 \
+  --gen-samples $GEN_SAMPLES --gen-eval-samples $GEN_EVAL --gen-prompt-tokens $GEN_PROMPT --gen-tokens $GEN_TOKENS \
+  --gen-batch $GEN_BATCH \
   --gen-time-limit $GEN_LIMIT --compare-head $HEAD > /tmp/logs/train-draft.log 2>&1
 say "train-draft rc=$?"
+[ -f $RUN/model.safetensors ] && tar cf "$OUT/head.tar" -C $RUN config.json model.safetensors train_summary.json train.log
 cp $RUN/train.log "$OUT/train.log" 2>/dev/null
 tail -n 30 /tmp/logs/train-draft.log
+fi
 
-if [ -f $RUN/model.safetensors ]; then
-  tar cf "$OUT/head.tar" -C $RUN config.json model.safetensors train_summary.json train.log
+if [ -f $RUN/model.safetensors ] && [ "$RECALLS" = 1 ]; then
   HD=eagle3:$RUN,ngram+eagle3:$RUN,ngram+eagle3:$HEAD  # new head, and the hybrids (n-gram on full matches)
   RECALL_LIMIT=$HEAD_RECALL_LIMIT recall head $CTX_A $TEXTS_A $HD --no-proxy --continuation self &
   H1=$!

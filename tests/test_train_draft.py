@@ -142,3 +142,33 @@ def test_gen_time_limit_cuts_a_round_and_keeps_partial_samples(tiny, tmp_path, m
     new = [len(ids) - plen for ids, plen in got]
     assert all(n < 50 for n in new) and max(n for n in new) > 0
     assert [ids[:plen] for ids, plen in got] == [ids for ids, _ in reqs[:4]]
+
+
+def test_packed_capture_equals_one_window_at_a_time(tiny, tmp_path, monkeypatch):
+    from oasisbench.runners import train_draft as td
+    from oasiskv_runtime.drafts.eagle3 import default_aux_layer_ids
+    from oasiskv_runtime.models.loader import load_model
+
+    target, _, mc = load_model(tiny, "cpu", "float32", seed=0)
+    aux = default_aux_layer_ids(mc.num_layers)
+    g = torch.Generator().manual_seed(4)
+    windows = [torch.randint(3, mc.vocab_size, (n,), generator=g).tolist() for n in (37, 64, 5)]
+    packed = td.capture_windows(target, mc, windows, aux, "cpu")
+    for ids, got in zip(windows, packed):
+        one = td.capture_window(target, mc, ids, aux, "cpu")
+        assert got["ids"].tolist() == ids and got["aux"].shape == one["aux"].shape
+        torch.testing.assert_close(got["aux"].float(), one["aux"].float(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(got["top_p"].float(), one["top_p"].float(), atol=2e-3, rtol=2e-3)
+        assert (got["top_i"][:, 0] == one["top_i"][:, 0]).float().mean() > 0.97
+    # grouped capture through the cache gives the same shards, in order, whatever the group size
+    cfg = _cfg(tiny, tmp_path / "a", seq_len=32)
+    tokens = [t for w in windows for t in w][:96]
+    ones = td.load_or_capture(target, mc, tokens, cfg, aux, "t")
+    monkeypatch.setattr(td, "capture_group", lambda device, seq_len: 2)
+    grouped = td.load_or_capture(target, mc, tokens, _cfg(tiny, tmp_path / "b", seq_len=32), aux, "t")
+    assert [s["ids"].tolist() for s in grouped] == [s["ids"].tolist() for s in ones] == \
+        [tokens[i:i + 32] for i in range(0, 96, 32)]
+    for a, b in zip(grouped, ones):
+        torch.testing.assert_close(a["aux"].float(), b["aux"].float(), atol=2e-3, rtol=2e-3)
+    again = td.load_or_capture(target, mc, tokens, _cfg(tiny, tmp_path / "b", seq_len=32), aux, "t")  # cached
+    assert all(torch.equal(a["aux"], b["aux"]) for a, b in zip(again, grouped))
