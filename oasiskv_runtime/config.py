@@ -202,8 +202,10 @@ class SparseConfig:
     """Blocks per KV head in the working set (plus the local active block)."""
     fetch_ratio: float = 0.05
     """Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per head."""
-    draft: str = "ngram"
-    """Draft source for oasiskv mode: ngram, layerskip[:N], model:<path>, eagle3:<path>, oracle."""
+    draft: str = "auto"
+    """Draft source for oasiskv mode: auto (the model's shipped head behind the n-gram draft where one ships,
+    else ngram; resolved by EngineConfig.from_overrides), ngram[:N], layerskip[:N], model:<path>, eagle3:<path>,
+    oracle, or ngram[:N]+<one of those>."""
     sink_blocks: int = 0
     """Leading blocks always attended (attention sinks)."""
     dense_layers: tuple[int, ...] = ()
@@ -338,6 +340,9 @@ class EngineConfig:
                 valid = ", ".join(sorted(list(owner) + ["kv_cache_gb"]))
                 raise TypeError(f"unknown engine option {key!r}; valid options: {valid}")
             per_sub[owner[key]][key] = value
+        from oasiskv_runtime.drafts import resolve_draft
+
+        per_sub["sparse"]["draft"] = resolve_draft(per_sub["sparse"].get("draft", "auto"), model)
         return cls(model=model, device=device, dtype=dtype, mode=Mode.parse(mode), seed=seed,
                    **{s: t(**per_sub[s]) for s, t in sub_types.items()})
 

@@ -136,3 +136,21 @@ def test_ngram_propose_on_sequences_matches_a_full_scan():
             assert got.get(s.seq_id) == want, (s.all_token_ids, got.get(s.seq_id), want)
             checked += want is not None
     assert checked > 100
+
+
+def test_auto_draft_is_the_shipped_head_behind_ngram_where_one_ships(tiny, tmp_path):
+    from oasiskv_runtime.config import EngineConfig
+    from oasiskv_runtime.drafts import HEADS_DIR, resolve_draft, shipped_head
+
+    head = shipped_head("smollm2-135m")
+    assert head == HEADS_DIR / "smollm2-135m"
+    assert Eagle3Config.from_file(head / "config.json").draft_vocab_size == 4096  # a public-layout config
+    assert resolve_draft("auto", "smollm2-135m") == f"ngram+eagle3:{head}"
+    assert resolve_draft("auto", "/models/somewhere/smollm2-135m") == f"ngram+eagle3:{head}"
+    assert resolve_draft("auto", tiny) == "ngram" and resolve_draft("oracle", "smollm2-135m") == "oracle"
+    assert shipped_head(str(tmp_path)) is None
+    # resolved once, where the config is built, so reports and checks see the concrete draft
+    assert EngineConfig.from_overrides("smollm2-135m", mode="oasiskv").sparse.draft == f"ngram+eagle3:{head}"
+    assert EngineConfig.from_overrides("smollm2-135m", mode="oasiskv", draft="ngram:2").sparse.draft == "ngram:2"
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=4, block_size=4)
+    assert llm.engine.config.sparse.draft == "ngram"

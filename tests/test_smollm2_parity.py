@@ -43,3 +43,5 @@ def test_smollm2_sparse_modes_with_covering_budget_equal_dense():
     for mode in ("sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
         llm = LLM("smollm2-135m", mode=mode, top_k_blocks=16)  # 16 blocks of 16 cover the 106-token contexts
         assert [o.token_ids for o in llm.generate(prompts, params)] == dense, mode
+    # oasiskv ran with the default draft: the shipped EAGLE-3 head behind the n-gram draft, which only steers
+    assert llm.engine.config.sparse.draft.startswith("ngram+eagle3:") and llm.stats.num_draft_checked > 0

@@ -50,7 +50,7 @@ class OasisKVLM(LM):
     """
 
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
-                 mode: str = "dense", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str = "ngram",
+                 mode: str = "dense", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str = "auto",
                  kv_cache_gb: float | None = None, max_num_seqs: int = 256, seed: int = 0,
                  llm: LLM | None = None, max_length: int | None = None, **_: Any) -> None:
         # **_: lm-eval passes batch_size / max_batch_size / device hints; continuous batching makes them moot.

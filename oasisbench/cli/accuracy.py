@@ -92,7 +92,7 @@ def accuracy_cmd(
                                              "attends (attention sinks), counted in --top-k-blocks.")] = 0,
     dense_layers: Annotated[int, typer.Option("--dense-layers", help="The first N layers attend over the whole "
                                               "context in every sparse mode (Quest's default: 2; the paper's: 0).")] = 0,
-    draft: DraftOpt = "ngram",
+    draft: DraftOpt = "auto",
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 256,
     max_gen_toks: Annotated[int | None, typer.Option("--max-gen-toks", help="Override every task's generation "
                                                      "budget (smoke runs).")] = None,

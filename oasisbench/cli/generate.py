@@ -26,7 +26,7 @@ def generate_cmd(
     kv_cache_gb: KvGbOpt = None,
     top_k_blocks: TopKOpt = 128,
     fetch_ratio: FetchRatioOpt = 0.05,
-    draft: DraftOpt = "ngram",
+    draft: DraftOpt = "auto",
     seed: SeedOpt = 0,
 ) -> None:
     """Generate text for one or more prompts.

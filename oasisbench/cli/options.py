@@ -28,8 +28,10 @@ LinkGbpsOpt = Annotated[float, typer.Option(
     "C_token = B_link x T_decode: the copies this many GB/s move in one step (measured, by kind), shared by its "
     "requests, never below the --fetch-ratio cap. 0: the fixed cap. Set it below the rate the prefetch reaches "
     "(an H200: ~43 GB/s).")]
-DraftOpt = Annotated[str, typer.Option("--draft", help="Draft source for oasiskv: ngram, layerskip[:N], "
-                                       "model:<path>, eagle3:<path>, oracle.")]
+DraftOpt = Annotated[str, typer.Option("--draft", help="Draft source for oasiskv: auto (the model's shipped "
+                                       "EAGLE-3 head behind the n-gram draft, ngram+eagle3:<head>, where one ships: "
+                                       "smollm2-135m; else ngram), ngram[:N], layerskip[:N], model:<path>, "
+                                       "eagle3:<path>, oracle, ngram[:N]+<draft>.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Engine and workload seed.")]
 
 DEFAULT_MODEL_NAME = DEFAULT_MODEL

@@ -145,7 +145,7 @@ def throughput_cmd(
         "every sparse mode dense.", show_default=False)] = None,
     fetch_ratio: FetchRatioOpt = 0.05,
     link_gbps: LinkGbpsOpt = 0.0,
-    draft: DraftOpt = "ngram",
+    draft: DraftOpt = "auto",
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
     seed: SeedOpt = 0,

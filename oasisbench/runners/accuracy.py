@@ -69,7 +69,7 @@ class AccuracyConfig:
     dense_layers: int = 0
     """The first N layers attend over the whole context in every sparse mode (Quest keeps its first two dense);
     the paper's configuration has none."""
-    draft: str = "ngram"
+    draft: str = "auto"
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
     max_gen_toks: int | None = None

@@ -37,6 +37,7 @@ from rich.table import Table
 
 from oasisbench.results.schema import Record, order_modes, point_id
 from oasisbench.results.store import RunStore
+from oasiskv_runtime.drafts import resolve_draft
 
 #: Values a point gets for keys it does not set. ``top_k_blocks``, ``fetch_ratio``, ``block_size``:
 #: SPEC item 7 defaults. ``num_requests`` None means "= concurrency" (one full batch).
@@ -49,7 +50,7 @@ POINT_DEFAULTS: dict[str, Any] = {
     "device_tier": None,
     "top_k_blocks": 128,
     "fetch_ratio": 0.05,
-    "draft": "ngram",
+    "draft": "auto",
     "device": "",
     "dtype": "",
     "seed": 0,
@@ -314,6 +315,9 @@ def environment(planned: list[PlannedPoint], random_weights: bool | None) -> dic
         "device": ", ".join(names),
         "model": ", ".join(sorted({pp.point["model"] for pp in planned})),
         "random_weights": random_weights,
+        # what each draft spec of the run means here (``auto`` depends on the model and the heads shipped)
+        "drafts": {f"{pp.point['draft']} @ {pp.point['model']}": resolve_draft(pp.point["draft"], pp.point["model"])
+                   for pp in planned if pp.point["mode"] == "oasiskv"},
         "hostname": socket.gethostname(),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
