@@ -242,7 +242,7 @@ class DecodeGraphs:
         decode rows ride along in the prefill forward at almost no cost: measured on the H200, splitting made
         dense 2-20% slower in prefill-heavy runs)."""
         if self.disabled_reason is not None or self.runner.capture_layers:
-            return None
+            return None  # a draft that reads hidden states (EAGLE-3, the default's head): no static buffers for them
         decode = [s for s in sched.scheduled if s.is_decode]
         if not decode or len(decode) > self.max_requests:
             return None
