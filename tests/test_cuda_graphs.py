@@ -78,10 +78,11 @@ def test_static_layout_batched_equals_eager_cpu(tiny, mode):
     assert st_s["deferred_blocks_per_step"] == st_e["deferred_blocks_per_step"]
 
 
-def staggered(tiny, mode, graphs, device="cpu"):
+def staggered(tiny, mode, graphs, device="cpu", **kw):
     """Requests arrive while others decode, prompts prefill in 16-token chunks: most steps mix decode
     requests with a prefill chunk, which the static layout splits (decode part first, prefill after)."""
-    kw = {"host_kv_bytes": 1 << 28} if device == "cuda" else {}
+    if device == "cuda":
+        kw.setdefault("host_kv_bytes", 1 << 28)
     llm = LLM(tiny, device=device, mode=mode, top_k_blocks=3, fetch_ratio=0.34, block_size=4,
               max_num_batched_tokens=16, cuda_graphs=graphs, **kw)
     eng, seqs = llm.engine, []
@@ -237,3 +238,27 @@ def test_capture_remakes_the_per_step_rows(tiny):
     for _ in range(3):  # the prefill step, then decode steps on the static layout
         eng.step()
     assert {"qd_rows", "pred_rows", "slots_i32", "local_len_i32"} <= seen[-2] and seen[-1] == set()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_eagle3_draft_takes_the_graph_path(tiny, tmp_path, device):
+    """A draft that reads the target's hidden states (EAGLE-3, behind n-gram: SmolLM2's default) gets them from
+    the static layout (a captured graph's outputs on CUDA): same tokens, proposals and traffic as eager. Steps
+    that mix decode and prefill are not split for it (the draft observes a step as one part)."""
+    from tests.tiny_models import write_tiny_eagle3_head
+
+    draft = f"ngram+eagle3:{write_tiny_eagle3_head(tmp_path / 'head')}"
+    graphs = "auto" if device == "cuda" else "static"
+    eager, st_e = run(tiny, "oasiskv", "off", device=device, one_at_a_time=True, draft=draft)
+    graphed, st_g = run(tiny, "oasiskv", graphs, device=device, one_at_a_time=True, draft=draft)
+    assert graphed == eager
+    assert st_g["draft_accuracy"] is not None
+    if device == "cpu":  # the same arithmetic, rows laid out differently: equal on the CPU
+        for key in ("draft_accuracy", "fetched_blocks_per_step", "deferred_blocks_per_step"):
+            assert st_g[key] == st_e[key], key
+        assert st_g["static_eager_steps"] > 0
+    else:
+        assert st_g["graph_replays"] > 0 and st_g["graphs_disabled"] is None
+        assert abs(st_g["draft_accuracy"] - st_e["draft_accuracy"]) <= 0.1
+    _, st_mixed = staggered(tiny, "oasiskv", graphs, device=device, draft=draft)
+    assert st_mixed["split_steps"] == 0 and st_mixed["draft_accuracy"] is not None

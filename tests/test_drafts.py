@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from oasiskv_runtime import LLM, SamplingParams
-from oasiskv_runtime.drafts.eagle3 import Eagle3Config, Eagle3Head
+from oasiskv_runtime.drafts.eagle3 import Eagle3Config
 from oasiskv_runtime.drafts.sources import NgramDraft
-from tests.tiny_models import write_tiny
+from tests.tiny_models import write_tiny, write_tiny_eagle3_head
 
 PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 6, list(range(40, 40 + 53))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -52,15 +52,7 @@ def test_model_draft_of_itself_is_always_right(tiny, dense):
 
 
 def test_eagle3_head_drafts_in_the_engine(tiny, dense, tmp_path):
-    torch.manual_seed(0)
-    cfg = Eagle3Config.from_dict({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 144,
-        "intermediate_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 48,
-        "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 397,
-        "draft_vocab_size": 61, "tie_word_embeddings": False}, num_target_layers=5)
-    head = Eagle3Head(cfg, own_embedding=True)
-    head.set_vocab_mapping(torch.randperm(397)[:61].sort().values)
-    head.save_pretrained(tmp_path / "head")
+    write_tiny_eagle3_head(tmp_path / "head")
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=f"eagle3:{tmp_path / 'head'}")
     assert llm.engine.runner.capture_layers == (1, 1, 1)  # HF hidden_states[2] = output of layer 1, for [2, 5//2, 5-3]
     outs = llm.generate(PROMPTS, GREEDY)

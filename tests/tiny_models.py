@@ -61,3 +61,20 @@ def write_tiny_with_tokenizer(path: Path, arch: str = "llama", **overrides) -> s
     write_tiny(path, arch, **overrides)
     write_tiny_tokenizer(path)
     return str(path)
+
+
+def write_tiny_eagle3_head(path: Path, num_target_layers: int = 5, seed: int = 0) -> Path:
+    """A random EAGLE-3 head (public layout, own embedding, 61-token draft vocab) for the tiny targets above
+    (hidden 144, vocab 397): a draft that reads the target's hidden states. Returns its directory."""
+    from oasiskv_runtime.drafts.eagle3 import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.from_dict({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 144,
+        "intermediate_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 48,
+        "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 397,
+        "draft_vocab_size": 61, "tie_word_embeddings": False}, num_target_layers=num_target_layers)
+    head = Eagle3Head(cfg, own_embedding=True)
+    head.set_vocab_mapping(torch.randperm(397)[:61].sort().values)
+    head.save_pretrained(path)
+    return path

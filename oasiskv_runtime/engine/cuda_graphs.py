@@ -23,6 +23,9 @@ compiles kernels); keys seen once are never captured. Everything the graph reads
 the host. A step that also prefills is split: its decode requests run here, its prefill chunks eagerly after
 (see ``DecodeGraphs.plan``).
 
+A draft that reads the target's hidden states (EAGLE-3) gets them as graph outputs too; for it, steps that mix
+decode and prefill are not split (it observes a step as one part).
+
 ``cuda_graphs``: ``auto`` (capture on CUDA), ``off`` (the eager engine), ``static`` (the static layout
 without capture: how the CPU tests check this path against the eager one, token for token).
 """
@@ -201,6 +204,8 @@ class StaticInputs:
 class _Graph:
     graph: object
     hidden: torch.Tensor
+    captured: dict[int, torch.Tensor]
+    """Layer outputs a draft reads (``runner.capture_layers``): graph outputs like ``hidden``."""
 
 
 class DecodeGraphs:
@@ -241,8 +246,8 @@ class DecodeGraphs:
         only for a backend whose eager decode part is expensive (``graph_split_mixed``: the sparse modes; dense
         decode rows ride along in the prefill forward at almost no cost: measured on the H200, splitting made
         dense 2-20% slower in prefill-heavy runs)."""
-        if self.disabled_reason is not None or self.runner.capture_layers:
-            return None  # a draft that reads hidden states (EAGLE-3, the default's head): no static buffers for them
+        if self.disabled_reason is not None:
+            return None
         decode = [s for s in sched.scheduled if s.is_decode]
         if not decode or len(decode) > self.max_requests:
             return None
@@ -255,8 +260,8 @@ class DecodeGraphs:
         key = (self.padded_size(len(decode)), bucket, tuple(be.graph_key()),
                self.runner.config.scheduler.fused_norm_rope)  # the model's kernels are baked into a capture
         mixed = len(decode) < len(sched.scheduled)
-        if mixed and not getattr(be, "graph_split_mixed", True):
-            return None
+        if mixed and (self.runner.capture_layers or not getattr(be, "graph_split_mixed", True)):
+            return None  # a draft reading hidden states (EAGLE-3) observes a step as one part, not two
         if mixed and self.capture and key not in self.graphs:
             self.sights[key] = self.sights.get(key, 0) + 1
             if self.sights[key] < MIXED_SIGHTS:
@@ -308,9 +313,11 @@ class DecodeGraphs:
                             slot_mapping=vec["slot_mapping"], seqs=slices, logits_indices=batch.q_rows,
                             step=step, extra={"static": batch})
 
-    def run(self, decode: list, drafts: dict[int, int], key: tuple) -> tuple[StepMetadata, torch.Tensor]:
-        """Run the decode requests ``decode`` (from :meth:`plan`); returns the step's metadata and the hidden
-        states of their token rows."""
+    def run(self, decode: list, drafts: dict[int, int],
+            key: tuple) -> tuple[StepMetadata, torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the decode requests ``decode`` (from :meth:`plan`); returns the step's metadata, the hidden
+        states of their token rows and the layer outputs of ``runner.capture_layers`` (all rows of the static
+        layout, which ``meta.seqs`` indexes; valid until the next replay)."""
         runner, be = self.runner, self.runner.backend
         t0 = time.perf_counter()
         meta = self._prepare([s.seq for s in decode], drafts, runner.step_index, key)
@@ -322,10 +329,10 @@ class DecodeGraphs:
             self.graphs.move_to_end(key)
             entry.graph.replay()
             be.graph_replayed()
-            hidden = entry.hidden
+            hidden, captured = entry.hidden, entry.captured
             self.num_replays += 1
         else:
-            hidden, _ = runner.model(meta.input_ids, meta.positions, be)
+            hidden, captured = runner.model(meta.input_ids, meta.positions, be, runner.capture_layers)
             be.graph_join()
             self.num_static_eager += 1
             if self.capture:
@@ -333,7 +340,7 @@ class DecodeGraphs:
                 if self.sights[key] >= CAPTURE_SIGHTS:
                     self._capture(key, meta)
         be.end_step()
-        return meta, hidden[:len(decode)]
+        return meta, hidden[:len(decode)], captured
 
     def _capture(self, key: tuple, meta: StepMetadata) -> None:
         runner, be = self.runner, self.runner.backend
@@ -342,7 +349,7 @@ class DecodeGraphs:
         try:
             # The capture stream belongs to the current device: make it the engine's (e.g. cuda:1).
             with torch.cuda.device(runner.device), torch.cuda.graph(graph, pool=self.pool):
-                hidden, _ = runner.model(meta.input_ids, meta.positions, be)
+                hidden, captured = runner.model(meta.input_ids, meta.positions, be, runner.capture_layers)
                 be.graph_join()
         except Exception as e:  # noqa: BLE001 - the step already ran eagerly; fall back for good
             self.disabled_reason = f"CUDA graph capture failed: {type(e).__name__}: {e}"
@@ -351,7 +358,7 @@ class DecodeGraphs:
             return
         finally:
             be.graph_replayed()
-        self.graphs[key] = _Graph(graph, hidden)
+        self.graphs[key] = _Graph(graph, hidden, captured)
         self.num_captures += 1
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)

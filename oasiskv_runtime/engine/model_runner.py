@@ -104,8 +104,8 @@ class ModelRunner:
         part = self.graphs.plan(sched) if self.graphs is not None else None
         if part is not None:
             decode, key = part
-            meta, hidden = self.graphs.run(decode, drafts, key)
-            self.last_captured, self.last_meta = {}, meta
+            meta, hidden, captured = self.graphs.run(decode, drafts, key)
+            self.last_captured, self.last_meta = captured, meta
             # the logits now: a new tensor, so the next replay may overwrite the static output
             parts.append(([s.seq for s in decode], self.model.compute_logits(hidden)))
             taken = {id(s) for s in decode}
