@@ -78,18 +78,20 @@ recall() {  # tag ctx texts drafts [--no-proxy]
     --device $DEVICE --dtype float32 --output-dir /tmp/r-$tag-$ctx "$@" > /tmp/logs/recall-$tag-$ctx.log 2>&1
   say "recall $tag $ctx rc=$?"
 }
+recall_both() {  # tag drafts [args]: the 2K and 4K recalls in parallel
+  local tag=$1 drafts=$2; shift 2
+  recall $tag $CTX_A $TEXTS_A $drafts "$@" &
+  local a=$!
+  recall $tag $CTX_B $TEXTS_B $drafts "$@" &
+  wait $a $!
+}
 
 # `recall`: no training; proxy-prefetch, the oracle, the head in $RUN (the previous `run` call's, still on the warm
 # machine, or NEW_HEAD) alone and with n-gram, and the shipped head with n-gram; --continuation self only.
 if [ "${1:-run}" = recall ]; then
   NEW=${NEW_HEAD:-$RUN}
   [ -f $NEW/model.safetensors ] || { say "no head at $NEW"; exit 7; }
-  D=oracle,eagle3:$NEW,ngram+eagle3:$NEW,ngram+eagle3:$HEAD
-  recall base $CTX_A $TEXTS_A $D --continuation self &
-  R1=$!
-  recall base $CTX_B $TEXTS_B $D --continuation self &
-  R2=$!
-  wait $R1 $R2
+  recall_both base oracle,eagle3:$NEW,ngram+eagle3:$NEW,ngram+eagle3:$HEAD --continuation self
   TRAIN=0 RECALLS=0
 fi
 
@@ -115,12 +117,9 @@ tail -n 30 /tmp/logs/train-draft.log
 fi
 
 if [ -f $RUN/model.safetensors ] && [ "$RECALLS" = 1 ]; then
-  HD=eagle3:$RUN,ngram+eagle3:$RUN,ngram+eagle3:$HEAD  # new head, and the hybrids (n-gram on full matches)
-  RECALL_LIMIT=$HEAD_RECALL_LIMIT recall head $CTX_A $TEXTS_A $HD --no-proxy --continuation self &
-  H1=$!
-  RECALL_LIMIT=$HEAD_RECALL_LIMIT recall head $CTX_B $TEXTS_B $HD --no-proxy --continuation self &
-  H2=$!
-  wait $H1 $H2
+  # the new head, and the hybrids (n-gram on full matches)
+  RECALL_LIMIT=$HEAD_RECALL_LIMIT recall_both head eagle3:$RUN,ngram+eagle3:$RUN,ngram+eagle3:$HEAD --no-proxy \
+    --continuation self
 fi
 if [ -n "$BASE" ]; then
   while kill -0 $BASE 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt $DEADLINE ]; do sleep 2; done

@@ -204,7 +204,7 @@ class SparseConfig:
     """Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per head."""
     draft: str = "auto"
     """Draft source for oasiskv mode: auto (the model's shipped head behind the n-gram draft where one ships,
-    else ngram; resolved by EngineConfig.from_overrides), ngram[:N], layerskip[:N], model:<path>, eagle3:<path>,
+    else ngram; EngineConfig resolves it), ngram[:N], layerskip[:N], model:<path>, eagle3:<path>,
     oracle, or ngram[:N]+<one of those>."""
     sink_blocks: int = 0
     """Leading blocks always attended (attention sinks)."""
@@ -321,6 +321,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.sparse.draft == "auto":  # resolved once here, so the engine, PD's checks and reports see it
+            from oasiskv_runtime.drafts import resolve_draft
+
+            object.__setattr__(self, "sparse", dataclasses.replace(self.sparse,
+                                                                   draft=resolve_draft("auto", self.model)))
 
     _SUBS = ("cache", "sparse", "scheduler")
 
@@ -340,9 +345,6 @@ class EngineConfig:
                 valid = ", ".join(sorted(list(owner) + ["kv_cache_gb"]))
                 raise TypeError(f"unknown engine option {key!r}; valid options: {valid}")
             per_sub[owner[key]][key] = value
-        from oasiskv_runtime.drafts import resolve_draft
-
-        per_sub["sparse"]["draft"] = resolve_draft(per_sub["sparse"].get("draft", "auto"), model)
         return cls(model=model, device=device, dtype=dtype, mode=Mode.parse(mode), seed=seed,
                    **{s: t(**per_sub[s]) for s, t in sub_types.items()})
 

@@ -144,5 +144,6 @@ def test_auto_draft_is_the_shipped_head_behind_ngram_where_one_ships(tiny, tmp_p
     # resolved once, where the config is built, so reports and checks see the concrete draft
     assert EngineConfig.from_overrides("smollm2-135m", mode="oasiskv").sparse.draft == f"ngram+eagle3:{head}"
     assert EngineConfig.from_overrides("smollm2-135m", mode="oasiskv", draft="ngram:2").sparse.draft == "ngram:2"
+    assert EngineConfig("smollm2-135m").sparse.draft == f"ngram+eagle3:{head}"  # built directly too
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=4, block_size=4)
     assert llm.engine.config.sparse.draft == "ngram"

@@ -11,7 +11,8 @@ Drafts are never accepted here (the target's own token is always kept), so a dra
 - ``eagle3:<path>``: an EAGLE-3 head (public HF layout) fed the target's low/mid/high hidden states.
 - ``oracle``: the true next token, from teacher forcing (measurement only).
 - ``ngram[:N]+<draft>``: the n-gram guess where an N-token suffix repeats, the other draft elsewhere.
-- ``auto``: the model's shipped head behind the n-gram draft, else ``ngram`` (:func:`oasiskv_runtime.drafts.resolve_draft`).
+- ``auto``: the model's shipped head behind the n-gram draft, else ``ngram``; ``EngineConfig`` resolves it
+  (:func:`oasiskv_runtime.drafts.resolve_draft`) before a source is built.
 """
 
 from __future__ import annotations
@@ -290,10 +291,6 @@ class Eagle3Source:
 
 def make_draft_source(spec: str, engine: LLMEngine) -> Any:
     """Build a draft source from its name (see module docstring)."""
-    if spec == "auto":  # an EngineConfig built directly, not through from_overrides
-        from oasiskv_runtime.drafts import resolve_draft
-
-        spec = resolve_draft(spec, engine.config.model)
     head, plus, rest = spec.partition("+")
     if plus:
         first = make_draft_source(head, engine)
@@ -326,5 +323,5 @@ def make_draft_source(spec: str, engine: LLMEngine) -> Any:
         if not arg:
             raise ValueError("eagle3 draft needs a path: eagle3:<path>")
         return Eagle3Source(arg, engine)
-    raise ValueError(f"unknown draft source {spec!r}; choose auto, ngram[:N], layerskip[:N], model:<path>, "
+    raise ValueError(f"unknown draft source {spec!r}; choose ngram[:N], layerskip[:N], model:<path>, "
                      "eagle3:<path>, oracle, or ngram[:N]+<one of those>")
