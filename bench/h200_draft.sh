@@ -44,6 +44,9 @@ DEADLINE=${DEADLINE:-500}         # stop waiting for the baselines this many sec
 BATCH_TOKENS=${BATCH_TOKENS:-8192}
 HOLDOUT=${HOLDOUT:-8192}          # essay tokens held out of training (recall's windows come from their start)
 GEN_PROMPT=${GEN_PROMPT:-384}     # excerpt tokens per generated sample (they join the training text too)
+GEN_PROMPT_MIN=${GEN_PROMPT_MIN:-$GEN_PROMPT}  # below GEN_PROMPT: excerpt lengths drawn from [min, GEN_PROMPT]
+SEQ_LEN=${SEQ_LEN:-1024}          # captured window (packed whole samples)
+STEPS=${STEPS:-20000}             # 1: generate and capture only (the cache in $CACHE_DIR serves the next call)
 GEN_BATCH=${GEN_BATCH:-512}
 RECALLS=${RECALLS:-1}             # 0: train only (the head's recalls in a later `recall` call)
 NUM_STEPS=${NUM_STEPS:-32}        # forced decode steps per recall text
@@ -104,10 +107,11 @@ fi
 
 if [ "${TRAIN:-1}" = 1 ]; then
 python3 -m oasisbench.cli.main train-draft --model $MODEL --output $RUN --device $DEVICE --seed 0 \
-  --holdout-tokens $HOLDOUT --eval-tokens $EVAL_TOKENS --num-train-tokens $NUM_TRAIN --seq-len 1024 --batch-tokens $BATCH_TOKENS \
-  --steps 20000 --lr 1e-3 --draft-vocab 4096 --intermediate-size 1536 --checkpoint-every 0 \
+  --holdout-tokens $HOLDOUT --eval-tokens $EVAL_TOKENS --num-train-tokens $NUM_TRAIN --seq-len $SEQ_LEN --batch-tokens $BATCH_TOKENS \
+  --steps $STEPS --lr 1e-3 --draft-vocab 4096 --intermediate-size 1536 --checkpoint-every 0 \
   --time-limit $TRAIN_LIMIT --time-schedule --cache-dir $CACHE_DIR \
   --gen-samples $GEN_SAMPLES --gen-eval-samples $GEN_EVAL --gen-prompt-tokens $GEN_PROMPT --gen-tokens $GEN_TOKENS \
+  --gen-prompt-min-tokens $GEN_PROMPT_MIN \
   --gen-batch $GEN_BATCH \
   --gen-time-limit $GEN_LIMIT --compare-head $HEAD > /tmp/logs/train-draft.log 2>&1
 say "train-draft rc=$?"

@@ -163,12 +163,75 @@ def test_packed_capture_equals_one_window_at_a_time(tiny, tmp_path, monkeypatch)
     # grouped capture through the cache gives the same shards, in order, whatever the group size
     cfg = _cfg(tiny, tmp_path / "a", seq_len=32)
     tokens = [t for w in windows for t in w][:96]
-    ones = td.load_or_capture(target, mc, tokens, cfg, aux, "t")
+    ones = td.load_or_capture(target, mc, td.stream_windows(tokens, 32), cfg, aux, "t")
     monkeypatch.setattr(td, "capture_group", lambda device, seq_len: 2)
-    grouped = td.load_or_capture(target, mc, tokens, _cfg(tiny, tmp_path / "b", seq_len=32), aux, "t")
+    grouped = td.load_or_capture(target, mc, td.stream_windows(tokens, 32), _cfg(tiny, tmp_path / "b", seq_len=32),
+                                 aux, "t")
     assert [s["ids"].tolist() for s in grouped] == [s["ids"].tolist() for s in ones] == \
         [tokens[i:i + 32] for i in range(0, 96, 32)]
     for a, b in zip(grouped, ones):
         torch.testing.assert_close(a["aux"].float(), b["aux"].float(), atol=2e-3, rtol=2e-3)
-    again = td.load_or_capture(target, mc, tokens, _cfg(tiny, tmp_path / "b", seq_len=32), aux, "t")  # cached
+    again = td.load_or_capture(target, mc, td.stream_windows(tokens, 32), _cfg(tiny, tmp_path / "b", seq_len=32),
+                               aux, "t")  # cached
     assert all(torch.equal(a["aux"], b["aux"]) for a, b in zip(again, grouped))
+
+
+def test_pack_samples_keeps_samples_whole_and_windows_full():
+    from oasisbench.runners.train_draft import pack_samples
+
+    rng = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 65, (300,), generator=rng).tolist() + [150]  # one longer than a window
+    samples = [[i] * n for i, n in enumerate(lengths)]
+    windows = pack_samples(samples, 64)
+    assert all(sum(map(len, w)) <= 64 for w in windows)
+    segs = [seg for w in windows for seg in w]
+    # every sample is one segment (the long one: cut into window-long pieces), none lost or repeated
+    assert sorted(map(tuple, segs)) == sorted([tuple(s) for s in samples[:-1]] + [(300,) * 64, (300,) * 64,
+                                                                                  (300,) * 22])
+    assert sum(map(len, segs)) == sum(lengths)
+    # first fit: all but the last few windows are nearly full
+    fill = sorted(sum(map(len, w)) for w in windows)
+    assert fill[len(fill) // 10] >= 56
+
+
+def test_packed_windows_attend_within_each_sample(tiny, tmp_path):
+    from oasisbench.runners import train_draft as td
+    from oasiskv_runtime.drafts.eagle3 import default_aux_layer_ids
+    from oasiskv_runtime.models.loader import load_model
+
+    target, _, mc = load_model(tiny, "cpu", "float32", seed=0)
+    aux = default_aux_layer_ids(mc.num_layers)
+    g = torch.Generator().manual_seed(6)
+    samples = [torch.randint(3, mc.vocab_size, (n,), generator=g).tolist() for n in (19, 30, 11, 27, 9)]
+    windows = td.pack_samples(samples, 48)
+    got = td.load_or_capture(target, mc, windows, _cfg(tiny, tmp_path, seq_len=48), aux, "p")
+    assert [s["ids"].tolist() for s in got] == [[t for seg in w for t in seg] for w in windows]
+    # a window's states are its samples' states, each computed alone from its own first token
+    for w, shard in zip(windows, got):
+        alone = [td.capture_window(target, mc, seg, aux, "cpu") for seg in w]
+        torch.testing.assert_close(shard["aux"].float(), torch.cat([a["aux"] for a in alone]).float(),
+                                   atol=2e-3, rtol=2e-3)
+
+
+def test_gen_prompt_lengths_drawn_from_the_range(tiny):
+    from oasisbench.runners.train_draft import gen_requests
+
+    tok = LLM(tiny).tokenizer
+    cfg = TrainDraftConfig(model=tiny, gen_prompt_tokens=40, gen_prompt_min_tokens=8, gen_tokens=4)
+    plain = [ids for i, (ids, _) in enumerate(gen_requests(tok, list(range(3, 300)), 64, cfg, seed=1)) if i % 2 == 0]
+    lengths = {len(ids) for ids in plain}
+    assert min(lengths) >= 8 and max(lengths) <= 40 and len(lengths) > 8
+    with pytest.raises(ValueError, match="gen-prompt-min-tokens"):
+        gen_requests(tok, list(range(3, 300)), 4, TrainDraftConfig(model=tiny, gen_prompt_tokens=40,
+                                                                   gen_prompt_min_tokens=41), seed=1)
+
+
+def test_cli_rejects_a_prompt_range_upside_down(tmp_path):
+    from typer.testing import CliRunner
+
+    from oasisbench.cli.main import app
+
+    res = CliRunner().invoke(app, ["train-draft", "--model", "smollm2-135m-random", "--output", str(tmp_path / "o"),
+                                   "--gen-prompt-tokens", "40", "--gen-prompt-min-tokens", "41", "--device", "cpu"])
+    assert res.exit_code != 0 and "--gen-prompt-min-tokens must be in [1, --gen-prompt-tokens 40]" in res.output
+    assert not (tmp_path / "o").exists()  # nothing started

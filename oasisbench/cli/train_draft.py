@@ -49,7 +49,10 @@ def train_draft_cmd(
                                              "generates from training-text excerpts (plain and chat, greedy "
                                              "and sampled), added to the training text.")] = 0,
     gen_prompt_tokens: Annotated[int, typer.Option("--gen-prompt-tokens", help="Excerpt length per "
-                                                   "sample.")] = 384,
+                                                   "sample (the longest, with --gen-prompt-min-tokens).")] = 384,
+    gen_prompt_min_tokens: Annotated[int | None, typer.Option("--gen-prompt-min-tokens", help="Shortest "
+                                                              "excerpt: lengths are drawn from [this, "
+                                                              "--gen-prompt-tokens].")] = None,
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Most new tokens per sample.")] = 256,
     gen_batch: Annotated[int, typer.Option("--gen-batch", help="Samples generated at once.")] = 512,
     gen_time_limit: Annotated[float | None, typer.Option("--gen-time-limit", help="Stop generating after this "
@@ -71,13 +74,16 @@ def train_draft_cmd(
                            checkpoint_every=checkpoint_every, resume=resume, cache_dir=cache_dir,
                            intermediate_size=intermediate_size, export=export, eval_tokens=eval_tokens,
                            time_limit_s=time_limit, time_schedule=time_schedule, gen_samples=gen_samples,
-                           gen_prompt_tokens=gen_prompt_tokens, gen_tokens=gen_tokens, gen_batch=gen_batch,
+                           gen_prompt_tokens=gen_prompt_tokens,
+                           gen_prompt_min_tokens=gen_prompt_min_tokens, gen_tokens=gen_tokens, gen_batch=gen_batch,
                            gen_time_limit_s=gen_time_limit, gen_eval_samples=gen_eval_samples,
                            compare_head=compare_head)
     for name in ("steps", "batch_tokens", "draft_vocab", "seq_len", "num_train_tokens", "intermediate_size",
                  "gen_prompt_tokens", "gen_tokens", "gen_batch"):
         if getattr(cfg, name) <= 0:
             raise fail(f"--{name.replace('_', '-')} must be positive")
+    if gen_prompt_min_tokens is not None and not 1 <= gen_prompt_min_tokens <= gen_prompt_tokens:
+        raise fail(f"--gen-prompt-min-tokens must be in [1, --gen-prompt-tokens {gen_prompt_tokens}]")
     for name in ("gen_samples", "gen_eval_samples"):
         if getattr(cfg, name) < 0:
             raise fail(f"--{name.replace('_', '-')} must not be negative")
