@@ -280,6 +280,36 @@ def test_incremental_equals_full() -> None:
     assert whole == int(full_tokens[-1])
 
 
+def test_sliding_window_sees_only_the_last_rows(tmp_path: Path) -> None:
+    """With ``sliding_window`` W, row r's output is the plain head's output for rows r-W+1..r alone (one layer:
+    a row depends on other rows only through its attention); full, incremental and chunked calls agree, and the
+    window survives save/load."""
+    head, w, n = make_head(seed=4), 5, 13
+    token_ids, aux, positions = make_inputs(n, seed=6)
+    positions = positions + 1000  # RoPE is relative: far positions must not matter
+    with torch.no_grad():
+        plain_rows = [head(token_ids[max(0, r - w + 1):r + 1], aux[max(0, r - w + 1):r + 1],
+                           positions[max(0, r - w + 1):r + 1]).logits[-1] for r in range(n)]
+        head.set_sliding_window(w)
+        full = head(token_ids, aux, positions).logits
+    torch.testing.assert_close(full, torch.stack(plain_rows), rtol=1e-5, atol=1e-5)
+    drafter = Eagle3Drafter(head)
+    rows = []
+    for lo, hi in ((0, 1), (1, 7), (7, 8), (8, 9), (9, 13)):  # the cache slicing path, past > window
+        rows.append(drafter.step("r", token_ids[lo:hi], aux[lo:hi], positions[lo:hi]).logits.reshape(-1, DRAFT_VOCAB))
+    torch.testing.assert_close(torch.cat(rows)[-1], full[-1], rtol=1e-5, atol=1e-5)
+    one = Eagle3Drafter(head)
+    for i in range(n):
+        step = one.step("q", token_ids[i:i + 1], aux[i:i + 1], positions[i:i + 1])
+        torch.testing.assert_close(step.logits.reshape(-1), full[i], rtol=1e-5, atol=1e-5)
+    head.save_pretrained(tmp_path / "h")
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["sliding_window"] == w
+    assert Eagle3Config.from_file(tmp_path / "h").sliding_window == w
+    assert Eagle3Config.from_dict(tiny_config_dict()).sliding_window is None
+    with pytest.raises(Eagle3CheckpointError, match="sliding_window"):
+        Eagle3Config.from_dict(tiny_config_dict(sliding_window=0))
+
+
 def test_gapped_positions_use_given_rope_positions() -> None:
     # Positions need not be contiguous; the cache must still equal a full call with them.
     head = make_head()

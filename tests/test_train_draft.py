@@ -55,6 +55,7 @@ def test_checkpoint_is_a_public_layout_fp16_head(trained, tiny):
     for d in (out, out / "checkpoint-6", out / f"checkpoint-{STEPS}"):
         cfg = json.loads((d / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 128
+        assert cfg["sliding_window"] == 48  # the training crop (batch_tokens 48 < seq_len 64): no further back
         head = Eagle3Head.from_pretrained(d, target_embed=embed, dtype=torch.float16, num_target_layers=5)
         head.check_vocab_mapping()
         assert not head.owns_embedding  # the target's embedding is borrowed, not saved

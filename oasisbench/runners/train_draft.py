@@ -582,6 +582,10 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
                      f" tokens) left out of training")
         rows = max(1, min(cfg.batch_tokens, min(s["ids"].numel() for s in train) - 1))
         per_step = max(1, cfg.batch_tokens // rows)
+        # The head never attends further back than its crop in training; further back it scores worse
+        # (bench/NOTES.md, 2026-12-02), so it keeps to that span at inference too.
+        head.set_sliding_window(rows)
+        note(f"training crops: {per_step} x {rows} head rows per step (the head's sliding window: {rows})")
         warmup = min(100, max(1, cfg.steps // 10))
         task = progress.add_task("training", total=cfg.steps, completed=step, info="")
         acc_loss = acc_hit = acc_n = 0.0
@@ -655,7 +659,7 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
     summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
                "aux_hidden_state_indices": aux_idx, "train_tokens": len(train_ids), "gen_tokens": len(gen_ids),
                "gen_train_samples": len(gen_train),
-               "gen_eval_samples": len(gen_eval), "train_windows": len(train),
+               "gen_eval_samples": len(gen_eval), "train_windows": len(train), "crop_rows": rows,
                "train_s": train_s, "steps_per_s": (step - first_step) / max(train_s, 1e-9),
                "heldout_tokens": len(held_ids), "compare": compare, **asdict(res)}
     (cfg.output / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -143,6 +143,9 @@ class Eagle3Config:
         aux_layer_ids_convention: how those raw ids are meant (see
             :meth:`aux_hidden_state_indices`).
         num_target_layers: target depth, only needed to compute the default taps.
+        sliding_window: each row attends to at most this many cached positions, itself included
+            (``None``: all). ``train-draft`` writes its training crop length here: a head scores worse
+            at distances it never attended over in training (bench/NOTES.md, 2026-12-02).
         extra: unknown config keys, kept so ``save_pretrained`` round-trips them.
     """
 
@@ -163,9 +166,12 @@ class Eagle3Config:
     eagle_aux_hidden_state_layer_ids: list[int] | None = None
     aux_layer_ids_convention: AuxIdConvention = "layer_output"
     num_target_layers: int | None = None
+    sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise Eagle3CheckpointError(f"sliding_window must be a positive int or null, got {self.sliding_window}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise Eagle3CheckpointError(
@@ -195,7 +201,7 @@ class Eagle3Config:
         "vocab_size", "draft_vocab_size", "head_dim", "rms_norm_eps", "rope_theta",
         "rope_scaling", "rope_parameters", "target_hidden_size", "attention_bias",
         "norm_before_residual", "hidden_act", "eagle_aux_hidden_state_layer_ids",
-        "num_target_layers",
+        "num_target_layers", "sliding_window",
     )  # fmt: skip
 
     @classmethod
@@ -248,6 +254,7 @@ class Eagle3Config:
             eagle_aux_hidden_state_layer_ids=ids,
             aux_layer_ids_convention=convention,
             num_target_layers=num_target_layers or d.get("num_target_layers"),
+            sliding_window=int(d["sliding_window"]) if d.get("sliding_window") is not None else None,
             extra=extra,
         )
 
@@ -292,6 +299,8 @@ class Eagle3Config:
             d["norm_before_residual"] = True
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
+        if self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
         if self.eagle_aux_hidden_state_layer_ids is not None:
             ids = list(self.eagle_aux_hidden_state_layer_ids)
             if self.aux_layer_ids_convention == "layer_output":
@@ -391,6 +400,7 @@ class Eagle3Attention(nn.Module):
         assert cfg.head_dim is not None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
+        self.window = cfg.sliding_window
         self.head_dim = cfg.head_dim
         in_dim = 2 * cfg.hidden_size
         bias = cfg.attention_bias
@@ -428,6 +438,9 @@ class Eagle3Attention(nn.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
 
+        if past_k is not None and self.window is not None and past_k.shape[1] >= self.window:
+            # No row reaches further back than window - 1 cached slots: drop the rest before the matmuls.
+            past_k, past_v = past_k[:, past_k.shape[1] - self.window + 1:], past_v[:, past_v.shape[1] - self.window + 1:]
         if past_k is not None and past_k.shape[1] > 0:
             assert past_v is not None
             k_all, v_all = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
@@ -443,7 +456,10 @@ class Eagle3Attention(nn.Module):
         scores = torch.matmul(qf, k_all.float().transpose(-1, -2)[:, None]) / math.sqrt(d)
         # New row i sits at cache slot past_len + i and may see slots <= past_len + i.
         slot = torch.arange(total, device=x.device)
-        allowed = slot[None, :] <= (past_len + torch.arange(n, device=x.device))[:, None]
+        row = (past_len + torch.arange(n, device=x.device))[:, None]
+        allowed = slot[None, :] <= row
+        if self.window is not None:
+            allowed &= slot[None, :] > row - self.window
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = scores.softmax(dim=-1)  # fp32 softmax, as in HF eager attention
         out = torch.matmul(probs, v_all.float()[:, None])  # [kvh, g, n, D]
@@ -604,6 +620,13 @@ class Eagle3Head(nn.Module):
     @property
     def owns_embedding(self) -> bool:
         return self.embed_tokens is not None
+
+    def set_sliding_window(self, window: int | None) -> None:
+        """Attend to at most ``window`` cached positions per row (``None``: all); saved with the config."""
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window must be positive or None, got {window}")
+        self.config.sliding_window = window
+        self.midlayer.self_attn.window = window
 
     # ---- vocab mapping ---------------------------------------------------------------
 
