@@ -34,7 +34,9 @@ CTX_A=${CTX_A:-2048} TEXTS_A=${TEXTS_A:-4}   # windows: the first 8192 essay tok
 CTX_B=${CTX_B:-4096} TEXTS_B=${TEXTS_B:-2}
 BASELINES=${BASELINES:-0}         # 1: also proxy-prefetch, ngram, oracle and the shipped head, beside training
 TRAIN_LIMIT=${TRAIN_LIMIT:-330}   # train-draft's --time-limit, counted from its own start
-GEN_LIMIT=${GEN_LIMIT:-130}       # generation stops here (samples keep what they have)
+GEN_LIMIT=${GEN_LIMIT:-130}       # generation stops here, counted from train-draft's start (samples keep what they have).
+                                  # Cached rounds load first, so a later call with the same settings GENERATES the
+                                  # missing rounds until this limit: GEN_LIMIT=0 to train on the cached text only.
 GEN_SAMPLES=${GEN_SAMPLES:-960}   # + GEN_EVAL held-out = 2 rounds of 512
 GEN_EVAL=${GEN_EVAL:-64}
 GEN_TOKENS=${GEN_TOKENS:-256}
@@ -47,6 +49,7 @@ GEN_PROMPT=${GEN_PROMPT:-384}     # excerpt tokens per generated sample (they jo
 GEN_PROMPT_MIN=${GEN_PROMPT_MIN:-$GEN_PROMPT}  # below GEN_PROMPT: excerpt lengths drawn from [min, GEN_PROMPT]
 SEQ_LEN=${SEQ_LEN:-1024}          # captured window (packed whole samples)
 STEPS=${STEPS:-20000}             # 1: generate and capture only (the cache in $CACHE_DIR serves the next call)
+CROP_ROWS=${CROP_ROWS:-}          # head rows per training crop = the head's sliding window (empty: train-draft's default)
 GEN_BATCH=${GEN_BATCH:-512}
 RECALLS=${RECALLS:-1}             # 0: train only (the head's recalls in a later `recall` call)
 NUM_STEPS=${NUM_STEPS:-32}        # forced decode steps per recall text
@@ -111,7 +114,7 @@ python3 -m oasisbench.cli.main train-draft --model $MODEL --output $RUN --device
   --steps $STEPS --lr 1e-3 --draft-vocab 4096 --intermediate-size 1536 --checkpoint-every 0 \
   --time-limit $TRAIN_LIMIT --time-schedule --cache-dir $CACHE_DIR \
   --gen-samples $GEN_SAMPLES --gen-eval-samples $GEN_EVAL --gen-prompt-tokens $GEN_PROMPT --gen-tokens $GEN_TOKENS \
-  --gen-prompt-min-tokens $GEN_PROMPT_MIN \
+  --gen-prompt-min-tokens $GEN_PROMPT_MIN ${CROP_ROWS:+--crop-rows $CROP_ROWS} \
   --gen-batch $GEN_BATCH \
   --gen-time-limit $GEN_LIMIT --compare-head $HEAD > /tmp/logs/train-draft.log 2>&1
 say "train-draft rc=$?"

@@ -236,3 +236,23 @@ def test_cli_rejects_a_prompt_range_upside_down(tmp_path):
                                    "--gen-prompt-tokens", "40", "--gen-prompt-min-tokens", "41", "--device", "cpu"])
     assert res.exit_code != 0 and "--gen-prompt-min-tokens must be in [1, --gen-prompt-tokens 40]" in res.output
     assert not (tmp_path / "o").exists()  # nothing started
+
+
+def test_crop_rows_sets_the_crop_and_the_window(tiny, tmp_path):
+    out = tmp_path / "c"
+    res = train_draft(_cfg(tiny, out, steps=2, checkpoint_every=0, crop_rows=29), show_progress=False)
+    assert res.step == 2
+    assert json.loads((out / "config.json").read_text())["sliding_window"] == 29
+    assert "training crops: 1 x 29 head rows" in (out / "train.log").read_text()
+    with pytest.raises(ValueError, match="no training window is longer than --crop-rows 64"):
+        train_draft(_cfg(tiny, tmp_path / "d", steps=2, checkpoint_every=0, crop_rows=64), show_progress=False)
+
+
+def test_cli_rejects_a_crop_longer_than_a_window(tmp_path):
+    from typer.testing import CliRunner
+
+    from oasisbench.cli.main import app
+
+    res = CliRunner().invoke(app, ["train-draft", "--model", "smollm2-135m-random", "--output", str(tmp_path / "o"),
+                                   "--seq-len", "64", "--crop-rows", "64", "--device", "cpu"])
+    assert res.exit_code != 0 and "--crop-rows must be in [1, --seq-len 64), got 64" in res.output

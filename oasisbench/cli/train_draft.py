@@ -59,6 +59,9 @@ def train_draft_cmd(
                                                          "many seconds (samples keep what they have).")] = None,
     gen_eval_samples: Annotated[int, typer.Option("--gen-eval-samples", help="Greedy samples from holdout "
                                                   "excerpts, scored but never trained on.")] = 0,
+    crop_rows: Annotated[int | None, typer.Option("--crop-rows", help="Head rows per training crop, also the "
+                                                  "head's sliding window. Default: the shortest window minus "
+                                                  "one, at most --batch-tokens.")] = None,
     compare_head: Annotated[Path | None, typer.Option("--compare-head", help="Also score this existing head "
                                                       "on the same held-out text.")] = None,
 ) -> None:
@@ -77,11 +80,13 @@ def train_draft_cmd(
                            gen_prompt_tokens=gen_prompt_tokens,
                            gen_prompt_min_tokens=gen_prompt_min_tokens, gen_tokens=gen_tokens, gen_batch=gen_batch,
                            gen_time_limit_s=gen_time_limit, gen_eval_samples=gen_eval_samples,
-                           compare_head=compare_head)
+                           compare_head=compare_head, crop_rows=crop_rows)
     for name in ("steps", "batch_tokens", "draft_vocab", "seq_len", "num_train_tokens", "intermediate_size",
                  "gen_prompt_tokens", "gen_tokens", "gen_batch"):
         if getattr(cfg, name) <= 0:
             raise fail(f"--{name.replace('_', '-')} must be positive")
+    if crop_rows is not None and not 1 <= crop_rows < seq_len:
+        raise fail(f"--crop-rows must be in [1, --seq-len {seq_len}), got {crop_rows}")
     if gen_prompt_min_tokens is not None and not 1 <= gen_prompt_min_tokens <= gen_prompt_tokens:
         raise fail(f"--gen-prompt-min-tokens must be in [1, --gen-prompt-tokens {gen_prompt_tokens}]")
     for name in ("gen_samples", "gen_eval_samples"):

@@ -84,6 +84,9 @@ class TrainDraftConfig:
     kept as far as they got (a cached round is reused as it was cut)."""
     gen_eval_samples: int = 0
     """Greedy samples from holdout excerpts, scored (generated tokens only), never trained on."""
+    crop_rows: int | None = None
+    """Head rows per training crop, which is also the saved head's sliding window (windows of at most this many
+    tokens are left out). Default: the shortest kept window minus one, at most ``batch_tokens``."""
     compare_head: Path | None = None
     """An existing head scored on the same held-out text (``compare`` in the summary), e.g. the shipped one."""
 
@@ -572,15 +575,20 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
         t2draft[draft_ids] = torch.arange(draft_ids.numel())  # draft_ids is sorted: draft id i -> draft_ids[i]
         t2draft = t2draft.to(train[0]["ids"].device)
 
-        # A step trains on random crops of `rows` head rows; the head attends within its crop only. Packed
-        # windows that came out under half full (the last few of a packing) would shorten every crop: dropped.
-        if any(s["ids"].numel() > cfg.seq_len // 2 for s in train):
-            short = [s for s in train if s["ids"].numel() <= cfg.seq_len // 2]
+        # A step trains on random crops of `rows` head rows; the head attends within its crop only. Windows too
+        # short for a crop are dropped: with --crop-rows, those of at most that many tokens; otherwise packed
+        # windows at most half full (the last few of a packing), which would shorten every crop.
+        floor = cfg.crop_rows if cfg.crop_rows is not None else cfg.seq_len // 2
+        if cfg.crop_rows is not None or any(s["ids"].numel() > floor for s in train):
+            short = [s for s in train if s["ids"].numel() <= floor]
+            if len(short) == len(train):
+                raise ValueError(f"no training window is longer than --crop-rows {floor} tokens (--seq-len "
+                                 f"{cfg.seq_len})")
             if short:
-                train = [s for s in train if s["ids"].numel() > cfg.seq_len // 2]
-                note(f"{len(short)} windows of at most {cfg.seq_len // 2} tokens ({sum(s['ids'].numel() for s in short)}"
+                train = [s for s in train if s["ids"].numel() > floor]
+                note(f"{len(short)} windows of at most {floor} tokens ({sum(s['ids'].numel() for s in short)}"
                      f" tokens) left out of training")
-        rows = max(1, min(cfg.batch_tokens, min(s["ids"].numel() for s in train) - 1))
+        rows = cfg.crop_rows or max(1, min(cfg.batch_tokens, min(s["ids"].numel() for s in train) - 1))
         per_step = max(1, cfg.batch_tokens // rows)
         # The head never attends further back than its crop in training; further back it scores worse
         # (bench/NOTES.md, 2026-12-02), so it keeps to that span at inference too.
