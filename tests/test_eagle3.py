@@ -303,11 +303,15 @@ def test_sliding_window_sees_only_the_last_rows(tmp_path: Path) -> None:
         step = one.step("q", token_ids[i:i + 1], aux[i:i + 1], positions[i:i + 1])
         torch.testing.assert_close(step.logits.reshape(-1), full[i], rtol=1e-5, atol=1e-5)
     head.save_pretrained(tmp_path / "h")
-    assert json.loads((tmp_path / "h" / "config.json").read_text())["sliding_window"] == w
+    saved = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert saved["sliding_window"] == w and saved["use_sliding_window"] is True
     assert Eagle3Config.from_file(tmp_path / "h").sliding_window == w
     assert Eagle3Config.from_dict(tiny_config_dict()).sliding_window is None
+    # a window another model's config left behind is not ours to apply (EAGLE-3 implementations ignore it)
+    assert Eagle3Config.from_dict(tiny_config_dict(sliding_window=4096)).sliding_window is None
+    assert Eagle3Config.from_dict(tiny_config_dict(sliding_window=4096, use_sliding_window=False)).sliding_window is None
     with pytest.raises(Eagle3CheckpointError, match="sliding_window"):
-        Eagle3Config.from_dict(tiny_config_dict(sliding_window=0))
+        Eagle3Config.from_dict(tiny_config_dict(sliding_window=0, use_sliding_window=True))
 
 
 def test_gapped_positions_use_given_rope_positions() -> None:

@@ -145,7 +145,9 @@ class Eagle3Config:
         num_target_layers: target depth, only needed to compute the default taps.
         sliding_window: each row attends to at most this many cached positions, itself included
             (``None``: all). ``train-draft`` writes its training crop length here: a head scores worse
-            at distances it never attended over in training (bench/NOTES.md, 2026-12-02).
+            at distances it never attended over in training (bench/NOTES.md, 2026-12-02). Read from
+            config.json only with ``use_sliding_window: true`` (HF's Qwen2 convention): configs derived
+            from other models may carry a ``sliding_window`` that EAGLE-3 implementations ignore.
         extra: unknown config keys, kept so ``save_pretrained`` round-trips them.
     """
 
@@ -201,7 +203,7 @@ class Eagle3Config:
         "vocab_size", "draft_vocab_size", "head_dim", "rms_norm_eps", "rope_theta",
         "rope_scaling", "rope_parameters", "target_hidden_size", "attention_bias",
         "norm_before_residual", "hidden_act", "eagle_aux_hidden_state_layer_ids",
-        "num_target_layers", "sliding_window",
+        "num_target_layers", "sliding_window", "use_sliding_window",
     )  # fmt: skip
 
     @classmethod
@@ -254,7 +256,8 @@ class Eagle3Config:
             eagle_aux_hidden_state_layer_ids=ids,
             aux_layer_ids_convention=convention,
             num_target_layers=num_target_layers or d.get("num_target_layers"),
-            sliding_window=int(d["sliding_window"]) if d.get("sliding_window") is not None else None,
+            sliding_window=int(d["sliding_window"])
+            if d.get("use_sliding_window") and d.get("sliding_window") is not None else None,
             extra=extra,
         )
 
@@ -300,7 +303,7 @@ class Eagle3Config:
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
         if self.sliding_window is not None:
-            d["sliding_window"] = self.sliding_window
+            d.update(use_sliding_window=True, sliding_window=self.sliding_window)
         if self.eagle_aux_hidden_state_layer_ids is not None:
             ids = list(self.eagle_aux_hidden_state_layer_ids)
             if self.aux_layer_ids_convention == "layer_output":
