@@ -97,7 +97,8 @@ recall_both() {  # tag drafts [args]: the 2K and 4K recalls in parallel
 if [ "${1:-run}" = recall ]; then
   NEW=${NEW_HEAD:-$RUN}
   [ -f $NEW/model.safetensors ] || { say "no head at $NEW"; exit 7; }
-  recall_both base oracle,eagle3:$NEW,ngram+eagle3:$NEW,ngram+eagle3:$HEAD --continuation self
+  SHIPPED=; [ "$NEW" != "$HEAD" ] && SHIPPED=",ngram+eagle3:$HEAD"  # the shipped head beside a new one
+  recall_both base oracle,eagle3:$NEW,ngram+eagle3:$NEW$SHIPPED --continuation self
   TRAIN=0 RECALLS=0
 fi
 
