@@ -45,10 +45,8 @@ def main() -> None:
             head.set_sliding_window(w or None)
             hits, cnt = torch.zeros(buckets), torch.zeros(buckets)
             for sh in shards:
-                ids = sh["ids"].long()
-                p = torch.arange(ids.numel() - 2)
-                guess = head.draft_to_target(head(ids[p + 1], sh["aux"][p].float(), p).logits.argmax(-1))
-                hit = (guess == sh["top_i"][p + 1, 0].long()).float()
+                p = torch.arange(sh["ids"].numel() - 2)
+                hit = (td.head_guesses(head, sh) == sh["top_i"][p + 1, 0].long()).float()
                 b = torch.clamp(p // 1024, max=buckets - 1)
                 hits.index_add_(0, b, hit)
                 cnt.index_add_(0, b, torch.ones_like(hit))

@@ -277,7 +277,7 @@ def pack_samples(samples: list[list[int]], seq_len: int) -> list[list[list[int]]
     """Whole samples packed into windows of at most ``seq_len`` tokens (first fit over the newest 64 open
     windows, in sample order); a sample longer than a window is cut into window-long pieces first. Each window
     is a list of segments (samples), captured each with its own attention."""
-    pieces = [ids[a:a + seq_len] for ids in samples for a in range(0, len(ids), seq_len) if ids[a:a + seq_len]]
+    pieces = [ids[a:a + seq_len] for ids in samples for a in range(0, len(ids), seq_len)]
     windows: list[list[list[int]]] = []
     free: list[int] = []
     for piece in pieces:
@@ -451,6 +451,15 @@ def window_loss(head: Eagle3Head, shard: dict[str, torch.Tensor], t2draft: torch
 
 
 @torch.inference_mode()
+def head_guesses(head: Eagle3Head, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The head's greedy target-vocab guess at each row ``p`` (0 <= p <= L-3) of a captured window, teacher-forced
+    (row ``p`` sees ``h_p`` and ``x_{p+1}`` and guesses ``x_{p+2}``); on the CPU."""
+    ids = shard["ids"].long().cpu()
+    p = torch.arange(ids.numel() - 2)
+    out = head(ids[p + 1], shard["aux"][p].float(), p)
+    return head.draft_to_target(out.logits.argmax(-1)).cpu()
+
+
 def heldout_accuracy(head: Eagle3Head, shards: list[dict[str, torch.Tensor]], target: Any = None,
                      mc: Any = None, device: str = "cpu") -> dict[str, Any]:
     """Next-token accuracy on held-out windows of the head, the ngram draft and (given the target) the
@@ -471,8 +480,7 @@ def heldout_accuracy(head: Eagle3Head, shards: list[dict[str, torch.Tensor]], ta
         if length <= 0:
             continue
         p = torch.arange(length)
-        out = head(ids[p + 1], shard["aux"][p].float(), p)
-        guesses = {"head": head.draft_to_target(out.logits.argmax(-1)).cpu()}
+        guesses = {"head": head_guesses(head, shard)}
         ngram, state, toks, ng = NgramDraft(3), None, ids.tolist(), []
         for i in range(length):
             g = ngram.propose_one(toks[:i + 2], state)
