@@ -93,11 +93,11 @@ recall_both() {  # tag drafts [args]: the 2K and 4K recalls in parallel
 }
 
 # `recall`: no training; proxy-prefetch, the oracle, the head in $RUN (the previous `run` call's, still on the warm
-# machine, or NEW_HEAD) alone and with n-gram, and the shipped head with n-gram; --continuation self only.
+# machine, or NEW_HEAD) alone and with n-gram, and the shipped head alone and with n-gram; --continuation self only.
 if [ "${1:-run}" = recall ]; then
   NEW=${NEW_HEAD:-$RUN}
   [ -f $NEW/model.safetensors ] || { say "no head at $NEW"; exit 7; }
-  SHIPPED=; [ "$NEW" != "$HEAD" ] && SHIPPED=",ngram+eagle3:$HEAD"  # the shipped head beside a new one
+  SHIPPED=; [ "$NEW" != "$HEAD" ] && SHIPPED=",eagle3:$HEAD,ngram+eagle3:$HEAD"  # the shipped head beside a new one
   recall_both base oracle,eagle3:$NEW,ngram+eagle3:$NEW$SHIPPED --continuation self
   TRAIN=0 RECALLS=0
 fi
