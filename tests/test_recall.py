@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from oasisbench.runners.recall import essay_windows, run_recall, self_continuations
+from oasisbench.runners.recall import RecallPoint, essay_windows, gap_closed, run_recall, self_continuations
 from oasiskv_runtime import LLM, SamplingParams
 from tests.tiny_models import write_tiny_with_tokenizer
 
@@ -38,6 +38,41 @@ def test_recall_reports_both_continuations(tiny):
     # every mode of one continuation saw the same streams; the two continuations differ
     assert text[0].forced_sha1 == text[1].forced_sha1 != self_[0].forced_sha1 == self_[1].forced_sha1
     assert text[1].draft_accuracy == self_[1].draft_accuracy == 1.0  # the oracle knows the forced token
+    for p in points:  # per-text counts add up to the run's recall
+        assert len(p.per_text) == TEXTS and all(t["recall_total"] > 0 for t in p.per_text)
+        hits, total = sum(t["recall_hits"] for t in p.per_text), sum(t["recall_total"] for t in p.per_text)
+        assert hits / total == pytest.approx(p.recall)
+    assert [t["draft_accuracy"] for t in self_[1].per_text] == [1.0] * TEXTS
+    assert all(t["draft_accuracy"] is None for t in self_[0].per_text)  # proxy-prefetch has no draft
+
+
+def _point(draft, hits, totals=None, ctx=2048, mode="oasiskv"):
+    totals = totals or [100] * len(hits)
+    return RecallPoint(mode=mode, draft=draft, context_len=ctx, top_k_blocks=16, recall=sum(hits) / sum(totals),
+                       num_texts=len(hits), continuation="self",
+                       per_text=[{"recall_hits": h, "recall_total": t, "draft_accuracy": None}
+                                 for h, t in zip(hits, totals)])
+
+
+def test_gap_closed_and_its_interval():
+    proxy = _point(None, [70, 80, 75, 77, 71], mode="proxy-prefetch")
+    oracle = _point("oracle", [98, 97, 99, 98, 96])
+    head = _point("eagle3:h", [90, 93, 80, 96, 85])
+    (g,) = gap_closed([proxy, oracle, head], resamples=500)
+    expected = (sum(head.per_text[i]["recall_hits"] for i in range(5)) - 373) / (488 - 373)
+    assert g["draft"] == "eagle3:h" and g["gap_closed"] == pytest.approx(expected)
+    lo, hi = g["ci95"]
+    assert lo < g["gap_closed"] < hi and hi - lo > 0.05  # the texts disagree: a real spread
+    # texts that all say the same give no spread
+    same = [_point(None, [70] * 4, mode="proxy-prefetch"), _point("oracle", [98] * 4), _point("x", [91] * 4)]
+    (g,) = gap_closed(same, resamples=200)
+    assert g["ci95"] == [pytest.approx(0.75), pytest.approx(0.75)] and g["gap_closed"] == pytest.approx(0.75)
+    # the reference points of another context do not count; a group without the oracle is left out
+    assert gap_closed([proxy, head, _point("oracle", [98] * 5, ctx=4096)]) == []
+    # a point without per-text counts leaves its group out rather than guessing
+    bare = RecallPoint(mode="oasiskv", draft="y", context_len=2048, top_k_blocks=16, recall=0.9, num_texts=5,
+                       continuation="self")
+    assert gap_closed([proxy, oracle, head, bare]) == []
 
 
 def test_unknown_continuation_is_an_error(tiny):
@@ -64,3 +99,9 @@ def test_recall_cli_continuations_and_no_proxy(tiny, tmp_path):
                                                                          ("text", "oasiskv", "oracle")]
     r = CliRunner().invoke(app, args + ["--drafts", "", "--no-proxy", "--output-dir", str(tmp_path / "x")])
     assert r.exit_code != 0 and "nothing to measure" in r.output
+    # with proxy-prefetch and the oracle beside a draft, the gap each draft closes is reported and saved
+    r = CliRunner().invoke(app, args + ["--drafts", "oracle,ngram", "--output-dir", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    (out,) = (tmp_path / "g").glob("recall/*/recall.json")
+    (gap,) = json.loads(out.read_text())["gap_closed"]
+    assert gap["draft"] == "ngram" and gap["num_texts"] == TEXTS and "gap closed" in r.output

@@ -39,7 +39,7 @@ def recall_cmd(
     Example: oasisbench recall --context-len 2048,4096 --drafts ngram,layerskip,oracle --continuation self,text
     """
     from oasisbench.results.store import atomic_write_json
-    from oasisbench.runners.recall import run_recall
+    from oasisbench.runners.recall import gap_closed, run_recall
 
     device = default_device(device)
     try:
@@ -74,9 +74,22 @@ def recall_cmd(
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        run_recall(model, ctxs, configs, top_k_blocks, num_texts, num_steps, fetch_ratio, device,
-                   default_dtype(dtype, device), on_point, conts)
+        points = run_recall(model, ctxs, configs, top_k_blocks, num_texts, num_steps, fetch_ratio, device,
+                            default_dtype(dtype, device), on_point, conts)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise fail(str(e)) from None
     console.print(table)
+    gaps = gap_closed(points)
+    if gaps:  # needs proxy-prefetch and the oracle beside the drafts
+        atomic_write_json(run_dir / "recall.json", {"schema_version": 1, "model": model, "device": device,
+                                                     "points": done, "gap_closed": gaps})
+        gt = Table(title="share of the proxy-to-oracle recall gap closed (95% interval: bootstrap over texts)")
+        for col in ("context", "continuation", "draft", "gap closed", "95% interval", "texts"):
+            gt.add_column(col)
+        for g in gaps:
+            lo, hi = g["ci95"]
+            gt.add_row(str(g["context_len"]), g["continuation"], g["draft"],
+                       f"{100 * g['gap_closed']:.1f}%" if g["gap_closed"] is not None else "n/a",
+                       f"{100 * lo:.1f}-{100 * hi:.1f}%" if lo is not None else "n/a", str(g["num_texts"]))
+        console.print(gt)
     console.print(f"results: {run_dir / 'recall.json'}")

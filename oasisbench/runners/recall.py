@@ -39,6 +39,9 @@ class RecallPoint:
     continuation: str = "text"
     forced_sha1: str = ""
     """Digest of the forced continuations: equal digests mean two points saw the same token streams."""
+    per_text: list[dict[str, Any]] = field(default_factory=list)
+    """Per text, in window order: ``recall_hits`` and ``recall_total`` (summed over layers and steps; ``recall``
+    is their ratio over all texts) and ``draft_accuracy``. What :func:`gap_closed` resamples."""
 
 
 CONTINUATIONS = ("text", "self")
@@ -114,17 +117,60 @@ def run_recall(model: str, context_lens: list[int], configs: list[tuple[str, str
                 if forced is None:
                     forced = ([w[ctx - num_steps:] for w in windows] if cont == "text" else
                               self_continuations(model, prompts, num_steps, device, dtype, pools))
-                llm.generate(prompts, SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True),
-                             forced_output_ids=forced)
+                outs = llm.generate(prompts, SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True),
+                                    forced_output_ids=forced)
                 st = llm.engine.run_stats()
                 p = RecallPoint(mode=mode, draft=draft if mode == "oasiskv" else None, context_len=ctx,
                                 top_k_blocks=budget, recall=st["prediction_recall"],
                                 recall_per_layer=st["recall_per_layer"] or [], draft_accuracy=st["draft_accuracy"],
                                 fetched_bytes_per_step=st["fetched_bytes_per_step"],
                                 deferred_blocks_per_step=st["deferred_blocks_per_step"], num_texts=num_texts,
-                                num_steps=num_steps, continuation=cont, forced_sha1=_digest(forced))
+                                num_steps=num_steps, continuation=cont, forced_sha1=_digest(forced),
+                                per_text=[{k: o.metrics.get(k) for k in ("recall_hits", "recall_total", "draft_accuracy")}
+                                          for o in outs])
                 del llm  # free its pools before the next mode allocates its own
                 points.append(p)
                 if on_point is not None:
                     on_point(p)
     return points
+
+
+def _gap(hits: dict[str, list[int]], totals: dict[str, list[int]], texts: list[int], draft: str) -> float | None:
+    r = {k: sum(hits[k][i] for i in texts) / max(1, sum(totals[k][i] for i in texts)) for k in ("proxy", "oracle", draft)}
+    span = r["oracle"] - r["proxy"]
+    return (r[draft] - r["proxy"]) / span if span > 0 else None
+
+
+def gap_closed(points: list[RecallPoint], resamples: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """Share of the recall gap between proxy-prefetch and the ``oracle`` draft that each other draft closes,
+    ``(draft - proxy) / (oracle - proxy)``, per context length and continuation, with a 95% interval from a paired
+    bootstrap over texts (the same resampled texts for the three recalls, as they saw the same streams).
+
+    Only groups holding proxy-prefetch, the oracle and per-text counts for every point are reported; a point
+    without per-text counts (e.g. every block fit the budget) leaves its group out."""
+    import random
+
+    groups: dict[tuple[int, str], dict[str, RecallPoint]] = {}
+    for p in points:
+        key = "proxy" if p.mode == "proxy-prefetch" else ("oracle" if p.draft == "oracle" else p.draft or "")
+        groups.setdefault((p.context_len, p.continuation), {})[key] = p
+    rows = []
+    rng = random.Random(seed)
+    for (ctx, cont), g in groups.items():
+        if "proxy" not in g or "oracle" not in g:
+            continue
+        n = g["proxy"].num_texts
+        if any(len(p.per_text) != n or any(t.get("recall_total") is None for t in p.per_text) for p in g.values()):
+            continue
+        hits = {k: [t["recall_hits"] for t in p.per_text] for k, p in g.items()}
+        totals = {k: [t["recall_total"] for t in p.per_text] for k, p in g.items()}
+        draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
+        for draft in g:
+            if draft in ("proxy", "oracle"):
+                continue
+            value = _gap(hits, totals, list(range(n)), draft)
+            boot = sorted(v for v in (_gap(hits, totals, d, draft) for d in draws) if v is not None)
+            lo, hi = (boot[int(0.025 * (len(boot) - 1))], boot[int(0.975 * (len(boot) - 1))]) if boot else (None, None)
+            rows.append({"context_len": ctx, "continuation": cont, "draft": draft, "gap_closed": value,
+                         "ci95": [lo, hi], "num_texts": n, "resamples": resamples})
+    return rows

@@ -831,7 +831,7 @@ class SparseAttention:
                 continue  # everything fits: recall is trivially 1 and would only inflate the average
             t, p = true[i_now], prev_pred[i_prev]                               # [Hkv, K]
             hits = (t[:, :, None] == p[:, None, :]).any(-1) & (t >= 0)
-            self.stats.add_recall(layer, hits.sum().item(), (t >= 0).sum().item())
+            self.stats.add_recall(layer, hits.sum().item(), (t >= 0).sum().item(), prev_ids[int(i_prev)])
 
     def _finished_prefill_batch(self, done: list[SeqSlice]) -> DecodeBatch:
         """The batch that fills the working sets of requests whose prefill completes this step (built once per

@@ -44,9 +44,13 @@ class SparseStats:
             self.deferred_by_layer[layer] += d
             self._step_fetched += f
 
-    def add_recall(self, layer: int, hits: int, total: int) -> None:
+    def add_recall(self, layer: int, hits: int, total: int, seq_id: int | None = None) -> None:
         self.recall_hits[layer] += hits
         self.recall_total[layer] += total
+        if seq_id is not None:  # per request too: recall's spread over texts (oasisbench recall)
+            r = self.per_request[seq_id]
+            r["recall_hits"] += hits
+            r["recall_total"] += total
 
     def recall_per_layer(self) -> list[float | None]:
         return [h / t if t else None for h, t in zip(self.recall_hits, self.recall_total)]
@@ -70,9 +74,12 @@ class SparseStats:
 
     def request_metrics(self, seq_id: int) -> dict:
         r = self.per_request.get(seq_id, {})
-        return {
+        m = {
             "fetched_blocks": r.get("fetched_blocks", 0),
             "fetched_bytes": r.get("fetched_blocks", 0) * self.bytes_per_head_block,
             "deferred_blocks": r.get("deferred_blocks", 0),
             "initial_fill_bytes": r.get("initial_fill_blocks", 0) * self.bytes_per_head_block,
         }
+        if r.get("recall_total"):  # measured (measure_recall) and not trivial for this request
+            m.update(recall_hits=r["recall_hits"], recall_total=r["recall_total"])
+        return m
