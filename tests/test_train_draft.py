@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oasisbench.runners.train_draft import TrainDraftConfig, TrainDraftResult, choose_draft_vocab, train_draft
+from oasisbench.runners.train_draft import (TrainDraftConfig, TrainDraftResult, choose_draft_vocab, crops_loss,
+                                            train_draft)
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.drafts.eagle3 import Eagle3Head
 from tests.tiny_models import write_tiny_with_tokenizer
@@ -256,3 +257,63 @@ def test_cli_rejects_a_crop_longer_than_a_window(tmp_path):
     res = CliRunner().invoke(app, ["train-draft", "--model", "smollm2-135m-random", "--output", str(tmp_path / "o"),
                                    "--seq-len", "64", "--crop-rows", "64", "--device", "cpu"])
     assert res.exit_code != 0 and "--crop-rows must be in [1, --seq-len 64), got 64" in res.output
+
+
+def _crop_loss_reference(head, shard, start, rows, t2draft):
+    """One crop, one plain head call: what a training step did per crop before crops were batched."""
+    p = torch.arange(start, start + rows, device=shard["ids"].device)
+    logits = head(shard["ids"][p + 1].long(), shard["aux"][p].float(), p).logits
+    tgt = t2draft[shard["top_i"][p + 1].long()]
+    q = shard["top_p"][p + 1].float() * (tgt >= 0)
+    keep = q.sum(-1) > 0
+    q = q / q.sum(-1, keepdim=True).clamp_min(1e-9)
+    loss = -(q * logits.log_softmax(-1).gather(-1, tgt.clamp_min(0))).sum(-1)[keep].sum()
+    return loss, ((logits.argmax(-1) == tgt[:, 0]) & keep).sum(), keep.sum()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_batched_crops_equal_one_call_per_crop(window, device):
+    """crops_loss runs every crop of a step in one vmapped head call: loss, agreement, rows and gradients equal
+    the per-crop calls, on random shards of odd lengths, random starts and a draft vocab missing some targets."""
+    from oasiskv_runtime.drafts.eagle3 import Eagle3Config
+
+    g = torch.Generator().manual_seed(7)
+    vocab, hidden, k = 211, 48, 4
+    cfg = Eagle3Config(hidden_size=hidden, intermediate_size=72, num_attention_heads=6, num_key_value_heads=3,
+                       vocab_size=vocab, draft_vocab_size=37, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       num_target_layers=7)
+    head = Eagle3Head(cfg, target_embed=torch.nn.Embedding(vocab, hidden).to(device)).to(device)
+    draft_ids = torch.randperm(vocab, generator=g)[:37].sort().values
+    head.set_vocab_mapping(draft_ids)
+    head.set_sliding_window(window)
+    t2draft = torch.full((vocab,), -1, dtype=torch.long)
+    t2draft[draft_ids] = torch.arange(37)
+    shards = []
+    for n in (29, 41, 33):
+        top_p = torch.rand(n, k, generator=g).softmax(-1).half()
+        shards.append({"ids": torch.randint(vocab, (n,), generator=g).int(),
+                       "aux": torch.randn(n, 3, hidden, generator=g).half(),
+                       "top_i": torch.randint(vocab, (n, k), generator=g).int(), "top_p": top_p})
+    shards[1]["top_i"][:6] = int((t2draft < 0).nonzero()[0])  # rows whose targets are all outside the draft vocab
+    rows = 13
+    crops = [(shards[i], int(torch.randint(shards[i]["ids"].numel() - rows, (), generator=g))) for i in (0, 1, 2, 1)]
+    t2draft = t2draft.to(device)  # the shards sit where training keeps them: on the device
+    shards[:] = [{key: v.to(device) for key, v in sh.items()} for sh in shards]
+    crops = [(shards[[0, 1, 2, 1][j]], st) for j, (_, st) in enumerate(crops)]
+
+    loss, hit, count = crops_loss(head, crops, rows, t2draft)
+    (loss / count).backward()
+    grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+    head.zero_grad(set_to_none=True)
+    ref = [_crop_loss_reference(head, sh, st, rows, t2draft) for sh, st in crops]
+    ref_loss, ref_hit, ref_count = (sum(r[i] for r in ref) for i in range(3))
+    (ref_loss / ref_count).backward()
+
+    assert int(count) == int(ref_count) < len(crops) * rows  # the out-of-vocab rows are not counted
+    assert int(hit) == int(ref_hit)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-4)
+    assert grads and set(grads) == {n for n, p in head.named_parameters() if p.grad is not None}
+    for name, p in head.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), name

@@ -431,23 +431,29 @@ def find_resume(cfg: TrainDraftConfig) -> Path | None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def window_loss(head: Eagle3Head, shard: dict[str, torch.Tensor], t2draft: torch.Tensor,
-                start: int, length: int) -> tuple[torch.Tensor, float, int]:
-    """Soft cross-entropy of head rows ``start..start+length-1`` against the target's next distribution.
+def crops_loss(head: Eagle3Head, crops: list[tuple[dict[str, torch.Tensor], int]], rows: int,
+               t2draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Soft cross-entropy of head rows ``start..start+rows-1`` of each ``(shard, start)`` crop against the target's
+    next distribution, every crop in ONE batched head call (``torch.func.vmap`` over the crops; each crop attends
+    within itself, as separate calls would).
 
-    Returns (summed loss, summed top-1 agreement, rows counted)."""
-    ids, dev = shard["ids"].long(), head.device
-    p = torch.arange(start, start + length, device=ids.device)
-    out = head(ids[p + 1], shard["aux"][p].float(), p)
-    logp = out.logits.log_softmax(-1)
-    tgt = t2draft.to(ids.device)[shard["top_i"][p + 1].long()].to(dev)  # [n, k] draft ids, -1: not drafted
-    q = shard["top_p"][p + 1].float().to(dev) * (tgt >= 0)
+    Returns device tensors, so a training step never waits on the device: (summed loss, summed top-1 agreement,
+    rows counted)."""
+    p = torch.arange(rows, device=crops[0][0]["ids"].device)
+    pos = torch.stack([p + start for _, start in crops])                      # [B, rows]
+    take = lambda key, shift: torch.stack([sh[key][q + shift] for (sh, _), q in zip(crops, pos)])  # noqa: E731
+    dev = head.device
+    ids, aux = take("ids", 1).long().to(dev), take("aux", 0).float().to(dev)
+    logits = torch.func.vmap(lambda i, a, q: head(i, a, q).logits)(ids, aux, pos.to(dev)).flatten(0, 1)
+    logp = logits.log_softmax(-1)
+    tgt = t2draft.to(dev)[take("top_i", 1).long().flatten(0, 1).to(dev)]    # [B*rows, k] draft ids, -1: not drafted
+    q = take("top_p", 1).flatten(0, 1).float().to(dev) * (tgt >= 0)
     mass = q.sum(-1, keepdim=True)
     keep = mass.squeeze(-1) > 0
     q = q / mass.clamp_min(1e-9)
     loss = -(q * logp.gather(-1, tgt.clamp_min(0))).sum(-1)[keep].sum()
-    hit = ((out.logits.argmax(-1) == tgt[:, 0]) & keep).float().sum().item()
-    return loss, hit, int(keep.sum())
+    hit = ((logits.argmax(-1) == tgt[:, 0]) & keep).sum()
+    return loss, hit, keep.sum()
 
 
 @torch.inference_mode()
@@ -617,22 +623,20 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * scale
             opt.zero_grad(set_to_none=True)
-            total = torch.zeros(())
-            count = 0
+            crops = []
             for w in torch.randint(len(train), (per_step,)).tolist():
                 shard = train[w]
-                start = int(torch.randint(shard["ids"].numel() - rows, ()).item())
-                loss, hit, k = window_loss(head, shard, t2draft, start, rows)
-                total, count = total + loss, count + k
-                acc_hit += hit
-            (total / max(count, 1)).backward()
+                crops.append((shard, int(torch.randint(shard["ids"].numel() - rows, ()).item())))
+            total, hit, count = crops_loss(head, crops, rows, t2draft)
+            (total / count.clamp_min(1)).backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             step += 1
-            acc_loss += total.item()
-            acc_n += count
+            # Summed on the device: read (one sync) only when logged.
+            acc_loss, acc_hit, acc_n = acc_loss + total.detach(), acc_hit + hit, acc_n + count
             if step % cfg.log_every == 0 or step == cfg.steps:
-                losses.append((step, acc_loss / max(acc_n, 1), acc_hit / max(acc_n, 1)))
+                n_rows = max(int(acc_n), 1)
+                losses.append((step, float(acc_loss) / n_rows, float(acc_hit) / n_rows))
                 acc_loss = acc_hit = acc_n = 0.0
                 progress.update(task, info=f"loss {losses[-1][1]:.3f} top1 {losses[-1][2]:.3f}")
                 if step % (cfg.log_every * 20) == 0:
@@ -642,7 +646,8 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
                 save_checkpoint(head, opt, step, losses, cfg.output)
             if cfg.time_limit_s is not None and time.monotonic() - t0 > cfg.time_limit_s:
                 if not losses or losses[-1][0] != step:
-                    losses.append((step, acc_loss / max(acc_n, 1), acc_hit / max(acc_n, 1)))
+                    n_rows = max(int(acc_n), 1)
+                    losses.append((step, float(acc_loss) / n_rows, float(acc_hit) / n_rows))
                 break
 
         if cfg.checkpoint_every and not (cfg.output / f"checkpoint-{step}").is_dir():
