@@ -1,0 +1,96 @@
+"""Where the time of train-draft's self-distillation generation goes (bench/NOTES.md, 2026-12-02).
+
+The same engine set-up and requests as ``train-draft``'s generation (dense, float32, ``--batch`` requests at once,
+16,384 batched tokens per step, excerpts of 128-1,024 essay tokens, a quarter each greedy / chat / sampled),
+prefilled first, then ``--steps`` decode steps under ``torch.profiler``. Prints wall ms per decode step, the
+device's busy time per step, and the top operators by device and by host time; ``--out`` saves them as JSON.
+
+    python bench/profile_generation.py --model smollm2-135m --device cuda --batch 1024 --steps 10 --out prof.json
+
+On the CPU (no device time) the split means nothing for the H200; it checks that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--prompt-min", type=int, default=128)
+    ap.add_argument("--prompt-max", type=int, default=1024)
+    ap.add_argument("--gen-tokens", type=int, default=320)
+    ap.add_argument("--warmup", type=int, default=3, help="decode steps after the prefill, before profiling")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from oasisbench.runners.train_draft import TrainDraftConfig, corpus_split, gen_requests
+    from oasiskv_runtime import LLM, SamplingParams
+    from oasiskv_runtime.models.loader import model_config_for
+
+    cfg = TrainDraftConfig(model=args.model, output=Path("/tmp"), gen_prompt_tokens=args.prompt_max,
+                           gen_prompt_min_tokens=args.prompt_min, gen_tokens=args.gen_tokens, gen_batch=args.batch)
+    mc, _, _ = model_config_for(args.model)
+    longest = args.prompt_max + 256 + args.gen_tokens + 64  # chat prompts add their template
+    llm = LLM(args.model, device=args.device, dtype="float32", mode="dense", seed=0, max_num_seqs=args.batch,
+              max_num_batched_tokens=16384,
+              kv_cache_bytes=int(args.batch * longest * mc.kv_bytes_per_token(4) * 1.1) + (64 << 20))
+    _, train_ids = corpus_split(llm.tokenizer, 16384, 200_000)
+    eng = llm.engine
+    for i, (ids, p) in enumerate(gen_requests(llm.tokenizer, train_ids, args.batch, cfg, seed=0)):
+        eng.add_request(ids, SamplingParams(**p), request_id=str(i))
+    t0 = time.perf_counter()
+    while any(s.num_pending_tokens > 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    prefill_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        eng.step()
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    sync()
+    running = len(eng.scheduler.running)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        sync()
+        wall = (time.perf_counter() - t0) / args.steps
+    events = prof.key_averages()
+    dev_attr = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    dev_us = sum(getattr(e, "self_" + dev_attr, 0) for e in events)
+
+    def top(key: str) -> list[dict]:
+        rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:args.rows]
+        return [{"op": e.key, "calls_per_step": e.count / args.steps,
+                 "host_ms_per_step": e.self_cpu_time_total / 1e3 / args.steps,
+                 "device_ms_per_step": getattr(e, "self_" + dev_attr, 0) / 1e3 / args.steps} for e in rows]
+
+    out = {"model": args.model, "device": args.device, "batch": args.batch, "running": running,
+           "prefill_s": prefill_s, "decode_ms_per_step": wall * 1e3,
+           "device_busy_ms_per_step": dev_us / 1e3 / args.steps,
+           "top_by_device": top("self_" + dev_attr), "top_by_host": top("self_cpu_time_total")}
+    print(f"{args.model} on {args.device}: {running} running requests; prefill {prefill_s:.1f} s; decode "
+          f"{out['decode_ms_per_step']:.1f} ms per step, device busy {out['device_busy_ms_per_step']:.1f} ms")
+    for title, key in (("by device time", "top_by_device"), ("by host time", "top_by_host")):
+        print(title)
+        for r in out[key]:
+            print(f"  {r['device_ms_per_step']:8.2f} dev {r['host_ms_per_step']:8.2f} host ms/step "
+                  f"{r['calls_per_step']:7.1f} calls  {r['op'][:70]}")
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
