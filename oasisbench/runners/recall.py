@@ -45,6 +45,7 @@ class RecallPoint:
 
 
 CONTINUATIONS = ("text", "self")
+PER_TEXT = ("recall_hits", "recall_total", "draft_accuracy")  # request metrics kept per text
 
 
 def essay_windows(tokenizer: Any, num_texts: int, length: int) -> list[list[int]]:
@@ -126,8 +127,7 @@ def run_recall(model: str, context_lens: list[int], configs: list[tuple[str, str
                                 fetched_bytes_per_step=st["fetched_bytes_per_step"],
                                 deferred_blocks_per_step=st["deferred_blocks_per_step"], num_texts=num_texts,
                                 num_steps=num_steps, continuation=cont, forced_sha1=_digest(forced),
-                                per_text=[{k: o.metrics.get(k) for k in ("recall_hits", "recall_total", "draft_accuracy")}
-                                          for o in outs])
+                                per_text=[{k: o.metrics.get(k) for k in PER_TEXT} for o in outs])
                 del llm  # free its pools before the next mode allocates its own
                 points.append(p)
                 if on_point is not None:
@@ -136,7 +136,8 @@ def run_recall(model: str, context_lens: list[int], configs: list[tuple[str, str
 
 
 def _gap(hits: dict[str, list[int]], totals: dict[str, list[int]], texts: list[int], draft: str) -> float | None:
-    r = {k: sum(hits[k][i] for i in texts) / max(1, sum(totals[k][i] for i in texts)) for k in ("proxy", "oracle", draft)}
+    r = {k: sum(hits[k][i] for i in texts) / max(1, sum(totals[k][i] for i in texts))
+         for k in ("proxy", "oracle", draft)}
     span = r["oracle"] - r["proxy"]
     return (r[draft] - r["proxy"]) / span if span > 0 else None
 

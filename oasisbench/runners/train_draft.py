@@ -441,7 +441,10 @@ def crops_loss(head: Eagle3Head, crops: list[tuple[dict[str, torch.Tensor], int]
     rows counted)."""
     p = torch.arange(rows, device=crops[0][0]["ids"].device)
     pos = torch.stack([p + start for _, start in crops])                      # [B, rows]
-    take = lambda key, shift: torch.stack([sh[key][q + shift] for (sh, _), q in zip(crops, pos)])  # noqa: E731
+
+    def take(key: str, shift: int) -> torch.Tensor:  # [B, rows, ...]: each crop's rows of one captured field
+        return torch.stack([sh[key][q + shift] for (sh, _), q in zip(crops, pos)])
+
     dev = head.device
     ids, aux = take("ids", 1).long().to(dev), take("aux", 0).float().to(dev)
     logits = torch.func.vmap(lambda i, a, q: head(i, a, q).logits)(ids, aux, pos.to(dev)).flatten(0, 1)
