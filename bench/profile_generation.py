@@ -36,17 +36,15 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from oasisbench.runners.train_draft import TrainDraftConfig, corpus_split, gen_requests
-    from oasiskv_runtime import LLM, SamplingParams
-    from oasiskv_runtime.models.loader import model_config_for
+    from oasisbench.runners.train_draft import TrainDraftConfig, corpus_split, gen_requests, generation_llm
+    from oasiskv_runtime import SamplingParams
 
-    cfg = TrainDraftConfig(model=args.model, output=Path("/tmp"), gen_prompt_tokens=args.prompt_max,
-                           gen_prompt_min_tokens=args.prompt_min, gen_tokens=args.gen_tokens, gen_batch=args.batch)
-    mc, _, _ = model_config_for(args.model)
-    longest = args.prompt_max + 256 + args.gen_tokens + 64  # chat prompts add their template
-    llm = LLM(args.model, device=args.device, dtype="float32", mode="dense", seed=0, max_num_seqs=args.batch,
-              max_num_batched_tokens=16384,
-              kv_cache_bytes=int(args.batch * longest * mc.kv_bytes_per_token(4) * 1.1) + (64 << 20))
+    cfg = TrainDraftConfig(model=args.model, output=Path("/tmp"), device=args.device, seed=0,
+                           gen_prompt_tokens=args.prompt_max, gen_prompt_min_tokens=args.prompt_min,
+                           gen_tokens=args.gen_tokens, gen_batch=args.batch)
+    # train-draft's engine; the requests need its tokenizer, so the KV is sized for the longest excerpt plus
+    # room for a chat template (256 tokens) instead of the longest request
+    llm = generation_llm(cfg, args.prompt_max + 256, args.batch)
     _, train_ids = corpus_split(llm.tokenizer, 16384, 200_000)
     eng = llm.engine
     for i, (ids, p) in enumerate(gen_requests(llm.tokenizer, train_ids, args.batch, cfg, seed=0)):
