@@ -11,6 +11,8 @@
      effective bandwidth = bytes of K+V actually read / time, for the default launch
      config and a small config sweep; versus torch SDPA over the same tokens gathered
      densely ([B, Hkv, 2064, D], enable_gqa) on each SDPA backend that runs;
+   * ``attention_f32`` (not in the default list): the same kernel at float32, SmolLM2-135M's decode shape
+     (B=1024, Hkv=3, g=3, D=64, 47 x 16 tokens), under each tl.dot precision (ieee, tf32x3, tf32);
    * zero-copy UVA gather from pinned host memory, 4 / 16 / 64 KiB per (block, head)
      copy, Triton (grids of 8-132 CTAs or one per copy) and CUDA C kernels, against a bulk
      pinned host->device copy;
@@ -276,6 +278,41 @@ def bench_attention(res, quick):
         speed_ratio_best=fastest / res["attention_best"]["ms"])
 
 
+def bench_attention_f32(res, quick):
+    """Float32 at SmolLM2-135M's decode shape (train-draft's generation, recall runs): 3 KV heads, g=3,
+    D=64, 47 x 16 tokens per head, 1,024 requests; normal row only (Q=1) and with the draft row (Q=2),
+    under each tl.dot precision: error against the reference and device time (CUDA-graph replay)."""
+    B, Hkv, g, D, BS, N = 1024, 3, 3, 64, 16, 46
+    dev = "cuda"
+    NB = B * N + B
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(2)
+    kc = torch.randn(NB, BS, Hkv, D, device=dev, generator=gen)
+    vc = torch.randn(NB, BS, Hkv, D, device=dev, generator=gen)
+    bids = torch.stack([torch.randperm(B * N, device=dev, generator=gen).view(B, N)
+                        for _ in range(Hkv)], dim=1).int().contiguous()
+    lb = torch.arange(B * N, B * N + B, device=dev, dtype=torch.int32)
+    ll = torch.full((B,), BS, device=dev, dtype=torch.int32)
+    scale = D ** -0.5
+    kv_bytes = B * Hkv * (N + 1) * BS * D * 4 * 2
+    rows = {}
+    for Qn in (1, 2):
+        q = torch.randn(B, Qn, Hkv * g, D, device=dev, generator=gen)
+        ek = torch.randn(B, Hkv, D, device=dev, generator=gen) if Qn == 2 else None
+        ev = torch.randn(B, Hkv, D, device=dev, generator=gen) if Qn == 2 else None
+        ref = sa.sparse_decode_attention_ref(q, kc, vc, bids, lb, ll, scale, ek, ev)
+        for prec in ("ieee", "tf32x3", "tf32"):
+            cfg = {"dot_prec": prec}
+            fn = (lambda q=q, ek=ek, ev=ev, cfg=cfg: sa.sparse_decode_attention(
+                q, kc, vc, bids, lb, ll, scale, ek, ev, backend="triton", config=cfg))
+            err = rel_err(fn(), ref)
+            m, _ = graph_ms([fn] * 2, reps=10 if quick else 20)
+            rows[f"Q{Qn}_{prec}"] = dict(ms=m, eff_TBps=kv_bytes / m / 1e9, rel_err=err)
+        del ref
+    res["attention_f32"] = dict(shape=dict(B=B, Hkv=Hkv, g=g, D=D, block_size=BS, blocks_per_head=N + 1,
+                                           kv_bytes_read=kv_bytes, dtype="float32"), rows=rows)
+
+
 def gather_plan(n, num_host_blocks, BS, Hkv, D, dt):
     """Device K/V targets for ``n`` (block, head) copies, random sources, distinct random (block, head) targets."""
     nbd = math.ceil(n / Hkv)
@@ -513,7 +550,7 @@ def main():
         res["triton"] = triton.__version__
     except Exception:
         res["triton"] = None
-    parts = {"attention": bench_attention, "gather": bench_gather, "overlap": bench_overlap,
+    parts = {"attention": bench_attention, "attention_f32": bench_attention_f32, "gather": bench_gather, "overlap": bench_overlap,
              "score": bench_score, "summary": bench_summary}
     for name in args.only.split(","):
         t0 = time.time()
@@ -537,6 +574,9 @@ def print_table(res):
     print(f"\n== {res['device']} ({res['sms']} SMs), torch {res['torch']}, triton {res['triton']}")
     for k, v in res["checks"].items():
         print(f"check {k}: {v}")
+    for k, v in res.get("attention_f32", {}).get("rows", {}).items():
+        print(f"attention float32 SmolLM2 shape {k}: {v['ms'] * 1e3:.0f} us, {v['eff_TBps']:.2f} TB/s, "
+              f"rel err {v['rel_err']:.1e}")
     if "attention_default" in res:
         s = res["attention_shape"]
         print(f"\nsparse attention B={s['B']} Q={s['Q']} Hq={s['Hq']} Hkv={s['Hkv']} D={s['D']} "

@@ -337,6 +337,8 @@ ATTN_CASES = [
     (3, 2, 3, 3, 64, 8, 13, 37, True, torch.bfloat16, {"n_splits": 3}),
     (2, 2, 1, 5, 64, 16, 9, 20, True, torch.float32, None),
     (2, 2, 3, 3, 48, 16, 6, 20, True, torch.float32, {"n_splits": 2}),
+    (5, 1, 3, 3, 64, 16, 11, 70, False, torch.float32, {"dot_prec": "ieee"}),  # plain fp32 FMAs
+    (5, 2, 3, 3, 64, 16, 11, 70, True, torch.float32, {"dot_prec": "tf32x3", "n_splits": 3}),
     (7, 2, 8, 4, 128, 16, 129, 1100, True, torch.bfloat16, None),
 ]
 
@@ -363,6 +365,24 @@ def test_attention_kernel_matches_ref(case):
         out2 = sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, scale, backend="triton",
                                           config=cfg)
         assert torch.equal(out[:, 0], out2[:, 0])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dot_prec", [None, "ieee", "tf32x3"])
+def test_attention_kernel_float32_precisions(dot_prec, device="cuda"):
+    """Float32 inputs at SmolLM2's shape (3 KV heads, g=3, D=64) under each dot precision: ~fp32 accuracy,
+    which plain TF32 (~1e-3) would miss. (The kernel's loop bounds are run-time values, which Triton's
+    interpreter does not run: the attention kernel is tested on the GPU only.)"""
+    q, kc, vc, bids, lb, ll, ek, ev = make_attn_inputs(4, 2, 3, 3, 64, 16, 9, 45, True, device=device,
+                                                       gen=_gen(17), empty_head=True)
+    out = sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, 0.125, ek, ev, backend="triton",
+                                     config={"dot_prec": dot_prec})
+    ref = sa.sparse_decode_attention_ref(q, kc, vc, bids, lb, ll, 0.125, ek, ev)
+    assert _rel(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="dot_prec"):
+        sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, 0.125, ek, ev, backend="triton",
+                                   config={"dot_prec": "fp8"})
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

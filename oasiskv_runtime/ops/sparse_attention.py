@@ -58,6 +58,7 @@ tl = None
 
 
 _next_pow2 = next_pow2
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")  # Triton's tl.dot input_precision values used here
 
 
 def _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len, extra_k, extra_v):
@@ -286,6 +287,13 @@ def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,
 
     So: no split once there are >= 2 (request, head) pairs per SM, else enough splits
     for ~2 programs per SM, keeping >= 2 tiles of work per program.
+
+    ``dot_prec`` (``None``: by dtype): the precision of the two ``tl.dot`` per tile for float32
+    inputs. ``"ieee"`` runs them as plain fp32 FMAs over the padded 16-row tile, and at float32
+    that was 86% of a SmolLM2 generation step on the H200 (4.7 ms per layer at 1,014 requests,
+    bench/NOTES.md, 2026-12-02), ~17x its K/V read. The default ``"tf32x3"`` splits each fp32
+    operand into a TF32 high and low part and sums three tensor-core products, which keeps
+    about fp32 accuracy. bf16/fp16 inputs use the tensor cores natively (the setting is moot).
     """
     bs_pad = _next_pow2(block_size)
     slots = max(1, 64 // bs_pad)
@@ -299,7 +307,7 @@ def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,
         want = math.ceil(2 * num_sms / pairs)
         max_splits = max(1, math.ceil(total / (2 * slots)))
         n_splits = max(1, min(want, max_splits, 64))
-    return {"slots": slots, "n_splits": n_splits, "num_warps": 4, "num_stages": 3}
+    return {"slots": slots, "n_splits": n_splits, "num_warps": 4, "num_stages": 3, "dot_prec": None}
 
 
 def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block, local_len,
@@ -353,7 +361,9 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
     ek = extra_k if has_extra else q
     ev = extra_v if has_extra else q
     e_strides = (ek.stride(0), ek.stride(1), ev.stride(0), ev.stride(1)) if has_extra else (0, 0, 0, 0)
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    dot_prec = str(cfg.get("dot_prec") or ("tf32x3" if q.dtype == torch.float32 else "tf32"))
+    if dot_prec not in DOT_PRECISIONS:
+        raise ValueError(f"dot_prec must be one of {DOT_PRECISIONS}, got {dot_prec!r}")
     with on_device(q):
         K.fwd[(B * Hkv, n_splits)](
             q, k_cache, v_cache, block_ids, local_block, local_len, ek, ev,
