@@ -309,6 +309,25 @@ def bench_attention_f32(res, quick):
             m, _ = graph_ms([fn] * 2, reps=10 if quick else 20)
             rows[f"Q{Qn}_{prec}"] = dict(ms=m, eff_TBps=kv_bytes / m / 1e9, rel_err=err)
         del ref
+    # train-draft's generation: tables padded to a bucket of 128 blocks, each request using 8-84 of them
+    # (excerpts of 128-1,024 tokens, chat template, 320 new tokens); with and without per-request counts
+    Np = 128
+    nf = torch.randint(8, 85, (B,), device=dev, generator=gen, dtype=torch.int32)
+    pb = torch.randint(0, B * N, (B, Hkv, Np), device=dev, generator=gen, dtype=torch.int32)
+    pb = pb.masked_fill(torch.arange(Np, device=dev).view(1, 1, Np) >= nf.view(B, 1, 1), -1)
+    q = torch.randn(B, 1, Hkv * g, D, device=dev, generator=gen)
+    padded_bytes = int(nf.sum().item() + B) * Hkv * BS * D * 4 * 2
+    ref = sa.sparse_decode_attention_ref(q, kc, vc, pb, lb, ll, scale)
+    for counts in (False, True):
+        for prec in ("ieee", "tf32x3"):
+            cfg = {"dot_prec": prec}
+            fn = (lambda cfg=cfg, counts=counts: sa.sparse_decode_attention(
+                q, kc, vc, pb, lb, ll, scale, backend="triton", config=cfg, num_full=nf if counts else None))
+            err = rel_err(fn(), ref)
+            m, _ = graph_ms([fn] * 2, reps=10 if quick else 20)
+            rows[f"bucket128_{'counts' if counts else 'nocounts'}_{prec}"] = dict(
+                ms=m, eff_TBps=padded_bytes / m / 1e9, rel_err=err)
+    del ref
     res["attention_f32"] = dict(shape=dict(B=B, Hkv=Hkv, g=g, D=D, block_size=BS, blocks_per_head=N + 1,
                                            kv_bytes_read=kv_bytes, dtype="float32"), rows=rows)
 

@@ -367,6 +367,47 @@ def test_attention_kernel_matches_ref(case):
         assert torch.equal(out[:, 0], out2[:, 0])
 
 
+def _padded_tables(gen, B, Hkv, N, NB):
+    """Dense-style tables: request b's first num_full[b] slots hold blocks (with holes), the rest are padding,
+    once as -1 and once as garbage block ids (which num_full must make the kernel ignore)."""
+    nf = torch.randint(0, N + 1, (B,), generator=gen, dtype=torch.int32)
+    nf[0], nf[-1] = 0, N
+    bids = torch.randint(0, NB, (B, Hkv, N), generator=gen, dtype=torch.int32)
+    bids[torch.rand(B, Hkv, N, generator=gen) < 0.2] = -1
+    past = torch.arange(N).view(1, 1, N) >= nf.view(B, 1, 1)
+    return nf, bids.masked_fill(past, -1), bids
+
+
+def test_attention_ref_num_full_is_padding():
+    gen = _gen(23)
+    q, kc, vc, _, lb, ll, ek, ev = make_attn_inputs(4, 2, 3, 3, 48, 16, 9, 40, True, gen=gen)
+    nf, padded, garbage = _padded_tables(gen, 4, 3, 9, 40)
+    want = sa.sparse_decode_attention_ref(q, kc, vc, padded, lb, ll, 0.2, ek, ev)
+    got = sa.sparse_decode_attention_ref(q, kc, vc, garbage, lb, ll, 0.2, ek, ev, num_full=nf)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="num_full"):
+        sa.sparse_decode_attention_ref(q, kc, vc, padded, lb, ll, 0.2, ek, ev, num_full=nf[:2])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("Qn,extra,cfg", [(1, False, None), (2, True, None), (2, True, {"n_splits": 4}),
+                                          (1, False, {"n_splits": 3, "dot_prec": "ieee"})])
+def test_attention_kernel_num_full(Qn, extra, cfg):
+    """Counts end each request's loop at its last slot: same result as the padded table without counts, and
+    padding slots are never read (garbage ids there change nothing)."""
+    gen = _gen(31 + Qn)
+    B, Hkv, N, NB = 6, 3, 37, 300
+    q, kc, vc, _, lb, ll, ek, ev = make_attn_inputs(B, Qn, Hkv, 3, 64, 16, N, NB, extra, device="cuda", gen=gen)
+    nf, padded, garbage = (t.cuda() for t in _padded_tables(gen, B, Hkv, N, NB))
+    without = sa.sparse_decode_attention(q, kc, vc, padded, lb, ll, 0.125, ek, ev, backend="triton", config=cfg)
+    got = sa.sparse_decode_attention(q, kc, vc, garbage, lb, ll, 0.125, ek, ev, backend="triton", config=cfg,
+                                     num_full=nf)
+    ref = sa.sparse_decode_attention_ref(q, kc, vc, padded, lb, ll, 0.125, ek, ev)
+    assert _rel(got, ref) < 1e-5 and _rel(without, ref) < 1e-5
+    torch.testing.assert_close(got, without, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dot_prec", [None, "ieee", "tf32x3"])

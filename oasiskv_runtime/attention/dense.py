@@ -96,13 +96,14 @@ class DenseAttention:
         """Each request's full blocks (its table up to the active block) and its active block."""
         bs = self.cache.block_size
         ids = static.table("dense_ids", max_blocks, -1, torch.int32)
-        local, local_len = [], []
+        local, local_len, num_full = [], [], []
         for seq, ctx, table, row in zip(seqs, ctxs, tables, rows):
             j = (ctx - 1) // bs
             ids.set(row, seq.seq_id, table, j)
             local.append(table[j])
             local_len.append((ctx - 1) % bs + 1)
-        fields.update(local_block=local, local_len=local_len)
+            num_full.append(j)
+        fields.update(local_block=local, local_len=local_len, dense_num_full=num_full)
         return {}
 
     def _bind_static(self, meta: StepMetadata, st) -> None:
@@ -111,7 +112,7 @@ class DenseAttention:
         if meta.input_ids.is_cuda:
             hkv = self.cache.k[0].shape[2]
             ids = st.tables["dense_ids"][:, None, :st.block_bucket].expand(-1, hkv, -1)
-            self._paged = (st.q_rows, ids, st.vec["local_block"], st.vec["local_len"])
+            self._paged = (st.q_rows, ids, st.vec["local_block"], st.vec["local_len"], st.vec["dense_num_full"])
             self._per_seq = []
         else:  # the CPU reference path, as in eager steps
             self._paged = None
@@ -133,7 +134,8 @@ class DenseAttention:
         local = host_list_to([s.block_table[(s.context_len - 1) // bs] for s in decode], torch.int32, device)
         local_len = host_list_to([(s.context_len - 1) % bs + 1 for s in decode], torch.int32, device)
         rows = host_list_to([s.query_start for s in decode], torch.long, device)
-        return rows, ids[:, None, :].expand(-1, hkv, -1).contiguous(), local, local_len
+        num_full = host_list_to([len(f) for f in full], torch.int32, device)
+        return rows, ids[:, None, :].expand(-1, hkv, -1).contiguous(), local, local_len, num_full
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -156,9 +158,11 @@ class DenseAttention:
         if self._paged is not None:
             from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 
-            r, ids, local, local_len = self._paged
+            # num_full: each request's loop ends at its own last block, not at the longest one's (or the
+            # bucket's): at 1,024 requests of 128-1,344 tokens most of the table is padding
+            r, ids, local, local_len, num_full = self._paged
             res = sparse_decode_attention(q[r][:, None], self.cache.k[layer_idx], self.cache.v[layer_idx], ids,
-                                          local, local_len, self.scale)
+                                          local, local_len, self.scale, num_full=num_full)
             out[r] = res[:, 0]
         return out
 

@@ -16,6 +16,9 @@ Layouts (fixed, shared with the engine):
 * ``local_block``: ``[B]`` int32 physical id of the partially filled block, shared by
   all heads; ``local_len``: ``[B]`` int32 valid tokens in it (1..block_size).
 * ``extra_k``, ``extra_v``: ``[B, Hkv, D]`` (only with Q == 2).
+* ``num_full`` (optional): ``[B]`` int32, slots ``>= num_full[b]`` are empty for every head of
+  request ``b`` (a dense table padded to a bucket of ``N``): the kernel's loop stops there instead
+  of running over the padding, and the local block counts as slot ``num_full[b]``.
 * returns ``out``: ``[B, Q, Hq, D]`` in q's dtype.
 
 Two implementations live here:
@@ -30,7 +33,8 @@ Two implementations live here:
   blocks (``SLOTS * block_size`` tokens) of K and V with masked loads (empty slots,
   the local block's tail and out-of-range slots are never read), keeps an online
   softmax in fp32 (exp2 with the scale folded in) and accumulates P @ V in fp32.
-  The local block is virtual slot ``N`` (the last split owns it) and the draft's
+  The local block is virtual slot ``N``, or ``num_full[b]`` with counts (the split that
+  holds that slot owns it; with counts the loop ends there), and the draft's
   own K/V is folded in by the last split, for query row 1 only. A second tiny kernel
   merges the per-split (max, sum, acc) partials. With one split the first kernel
   writes the normalised output directly.
@@ -61,7 +65,7 @@ _next_pow2 = next_pow2
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")  # Triton's tl.dot input_precision values used here
 
 
-def _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len, extra_k, extra_v):
+def _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len, extra_k, extra_v, num_full=None):
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Q, Hq, D], got {tuple(q.shape)}")
     B, Qn, Hq, D = q.shape
@@ -78,6 +82,8 @@ def _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len, extra_
         raise ValueError(f"block_ids must be [B={B}, Hkv={Hkv}, N], got {tuple(block_ids.shape)}")
     if local_block.shape != (B,) or local_len.shape != (B,):
         raise ValueError("local_block and local_len must be [B]")
+    if num_full is not None and num_full.shape != (B,):
+        raise ValueError("num_full must be [B]")
     if (extra_k is None) != (extra_v is None):
         raise ValueError("extra_k and extra_v go together")
     if extra_k is not None:
@@ -101,10 +107,15 @@ def sparse_decode_attention_ref(
     scale: float,
     extra_k: Optional[torch.Tensor] = None,
     extra_v: Optional[torch.Tensor] = None,
+    num_full: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Plain-PyTorch reference: gather the working set densely, mask, softmax in fp32."""
     B, Qn, Hq, D, Hkv = _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len,
-                                      extra_k, extra_v)
+                                      extra_k, extra_v, num_full)
+    if num_full is not None:  # slots past a request's count are empty by contract: drop whatever is there
+        N = block_ids.shape[2]
+        past = torch.arange(N, device=block_ids.device).view(1, 1, N) >= num_full.to(block_ids.device).view(B, 1, 1)
+        block_ids = block_ids.masked_fill(past, -1)
     BS = k_cache.shape[1]
     g = Hq // Hkv
     dev = q.device
@@ -145,7 +156,7 @@ def _kernels():
 
     @triton.jit
     def _sparse_attn_fwd(
-        Q, K, V, BIDS, LBLK, LLEN, EK, EV,
+        Q, K, V, BIDS, LBLK, LLEN, NFULL, EK, EV,
         OUT, MID_O, MID_M, MID_L,
         qk_scale,  # softmax scale * log2(e)
         N, slots_per_split, n_splits,
@@ -158,7 +169,7 @@ def _kernels():
         HKV: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, QN: tl.constexpr,
         D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BS_PAD: tl.constexpr,
         SLOTS: tl.constexpr, M_PAD: tl.constexpr,
-        HAS_EXTRA: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+        HAS_EXTRA: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_NFULL: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -178,9 +189,12 @@ def _kernels():
 
         lblk = tl.load(LBLK + b)
         llen = tl.load(LLEN + b)
-        total = N + 1
+        if HAS_NFULL:  # slots past the request's count are padding: the local block is slot nf
+            nf = tl.minimum(tl.load(NFULL + b), N)
+        else:
+            nf = N
         start = pid_s * slots_per_split
-        end = tl.minimum(start + slots_per_split, total)
+        end = tl.minimum(start + slots_per_split, nf + 1)
 
         t = tl.arange(0, SLOTS * BS_PAD)
         tslot = t // BS_PAD
@@ -191,13 +205,14 @@ def _kernels():
         acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
 
         bid_base = BIDS + b.to(tl.int64) * s_ib + h * s_ih
-        # uniform trip count (the last split's surplus slots are masked: nothing is read)
-        for s0 in range(start, start + slots_per_split, SLOTS):
+        # without counts: a uniform trip count (the last split's surplus slots are masked, nothing is read);
+        # with them the loop ends at the request's last slot (a split past it runs no iteration)
+        for s0 in range(start, end if HAS_NFULL else start + slots_per_split, SLOTS):
             slot = s0 + tslot
             in_rng = slot < end
-            bid = tl.load(bid_base + slot, mask=in_rng & (slot < N), other=-1)
-            bid = tl.where(slot == N, lblk, bid)
-            valid = in_rng & (bid >= 0) & (trow < BS) & ((slot < N) | (trow < llen))
+            bid = tl.load(bid_base + slot, mask=in_rng & (slot < nf), other=-1)
+            bid = tl.where(slot == nf, lblk, bid)
+            valid = in_rng & (bid >= 0) & (trow < BS) & ((slot < nf) | (trow < llen))
             bid64 = bid.to(tl.int64)
             kmask = valid[:, None] & d_ok[None, :]
             k = tl.load(K + (bid64 * s_kb + trow * s_kt + h * s_kh)[:, None] + d[None, :],
@@ -311,9 +326,9 @@ def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,
 
 
 def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block, local_len,
-                                    scale, extra_k, extra_v, out=None, config=None):
+                                    scale, extra_k, extra_v, out=None, config=None, num_full=None):
     B, Qn, Hq, D, Hkv = _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len,
-                                      extra_k, extra_v)
+                                      extra_k, extra_v, num_full)
     K = _kernels()
     BS = k_cache.shape[1]
     N = block_ids.shape[2]
@@ -327,6 +342,8 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
         block_ids = block_ids.contiguous()
     local_block = local_block.to(torch.int32).contiguous()
     local_len = local_len.to(torch.int32).contiguous()
+    has_nfull = num_full is not None
+    nfull = num_full.to(torch.int32).contiguous() if has_nfull else local_len  # unused without counts
     has_extra = extra_k is not None
     if has_extra:
         extra_k = extra_k if extra_k.stride(-1) == 1 else extra_k.contiguous()
@@ -366,7 +383,7 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
         raise ValueError(f"dot_prec must be one of {DOT_PRECISIONS}, got {dot_prec!r}")
     with on_device(q):
         K.fwd[(B * Hkv, n_splits)](
-            q, k_cache, v_cache, block_ids, local_block, local_len, ek, ev,
+            q, k_cache, v_cache, block_ids, local_block, local_len, nfull, ek, ev,
             out, mid_o, mid_m, mid_l,
             float(scale) * 1.4426950408889634,
             N, slots_per_split, n_splits,
@@ -378,6 +395,7 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
             out.stride(0), out.stride(1), out.stride(2),
             HKV=Hkv, HQ=Hq, G=g, QN=Qn, D=D, D_PAD=D_PAD, BS=BS, BS_PAD=_next_pow2(BS),
             SLOTS=slots, M_PAD=M_PAD, HAS_EXTRA=has_extra, DIRECT=direct, DOT_PREC=dot_prec,
+            HAS_NFULL=has_nfull,
             num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
         if not direct:
@@ -404,6 +422,7 @@ def sparse_decode_attention(
     out: Optional[torch.Tensor] = None,
     backend: str = "auto",
     config: Optional[dict] = None,
+    num_full: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Stacked look-ahead decode attention over the per-head sparse working set.
 
@@ -417,11 +436,11 @@ def sparse_decode_attention(
         raise ValueError(f"unknown backend {backend!r}")
     if not use_triton:
         res = sparse_decode_attention_ref(q, k_cache, v_cache, block_ids, local_block, local_len,
-                                          scale, extra_k, extra_v)
+                                          scale, extra_k, extra_v, num_full)
         if out is not None:
             out.copy_(res)
             return out
         return res
     return _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
                                            local_len, scale, extra_k, extra_v, out=out,
-                                           config=config)
+                                           config=config, num_full=num_full)
