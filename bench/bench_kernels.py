@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the ops import oasiskv_runtime.ops.common: run from anywhere without PYTHONPATH
 OPS = ROOT / "oasiskv_runtime" / "ops"
 
 
