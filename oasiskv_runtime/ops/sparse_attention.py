@@ -428,7 +428,9 @@ def sparse_decode_attention(
 
     ``backend``: ``"auto"`` (Triton on CUDA tensors, else the reference), ``"triton"`` or
     ``"ref"``. ``config`` overrides :func:`default_config` keys (slots, n_splits,
-    num_warps, num_stages). ``out`` (optional) receives the result in place.
+    num_warps, num_stages, dot_prec). ``out`` (optional) receives the result in place.
+    ``num_full`` (optional ``[B]``): per request, the slots that may hold blocks; the rest of
+    its table is padding, never visited (see the module docstring).
     """
     use_triton = backend == "triton" or (
         backend == "auto" and q.is_cuda and k_cache.is_cuda and _triton_available())
