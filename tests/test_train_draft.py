@@ -113,7 +113,12 @@ def test_self_distillation_samples_are_generated_cached_and_scored(tiny, trained
     assert len(rounds) == 2  # 2 held-out + 4 training requests in rounds of 3
     again = train_draft(cfg, show_progress=False)  # every round comes from the cache: identical text
     assert again.heldout_gen == res.heldout_gen
-    assert json.loads((cfg.output / "train_summary.json").read_text())["gen_tokens"] == summary["gen_tokens"]
+    resummary = json.loads((cfg.output / "train_summary.json").read_text())
+    assert resummary["gen_tokens"] == summary["gen_tokens"]
+    # every training and held-out window: captured the first time, read from the cache the second
+    n = summary["train_windows"] + 2  # + the held-out essay windows (128 tokens in windows of 64)
+    assert summary["capture_times"]["captured"] == n and summary["capture_times"]["loaded"] == 0
+    assert resummary["capture_times"]["loaded"] == n and resummary["capture_times"]["captured"] == 0
 
 
 def test_gen_requests_mix_plain_and_chat_greedy_and_sampled(tiny):
@@ -173,9 +178,16 @@ def test_packed_capture_equals_one_window_at_a_time(tiny, tmp_path, monkeypatch)
         [tokens[i:i + 32] for i in range(0, 96, 32)]
     for a, b in zip(grouped, ones):
         torch.testing.assert_close(a["aux"].float(), b["aux"].float(), atol=2e-3, rtol=2e-3)
+    times = td.new_capture_times()
     again = td.load_or_capture(target, mc, td.stream_windows(tokens, 32), _cfg(tiny, tmp_path / "b", seq_len=32),
-                               aux, "t")  # cached
+                               aux, "t", times=times)  # cached
     assert all(torch.equal(a["aux"], b["aux"]) for a, b in zip(again, grouped))
+    assert times["loaded"] == 3 and times["captured"] == 0 and times["save_bytes"] == 0
+    td.load_or_capture(target, mc, td.stream_windows(tokens, 32), _cfg(tiny, tmp_path / "c", seq_len=32), aux, "t",
+                       times=times)  # a fresh cache: captured and written
+    assert times["captured"] == 3 and times["loaded"] == 3
+    assert times["save_bytes"] == sum(f.stat().st_size for f in (tmp_path / "c").rglob("*.pt")) > 0
+    assert "3 windows captured" in td.capture_times_text(times)
 
 
 def test_pack_samples_keeps_samples_whole_and_windows_full():

@@ -298,11 +298,25 @@ def pack_samples(samples: list[list[int]], seq_len: int) -> list[list[list[int]]
     return windows
 
 
+def new_capture_times() -> dict[str, float]:
+    """Where :func:`load_or_capture`'s time goes, summed over calls: windows captured, the capture forward with
+    its copies to the host, the cache writes (seconds and bytes), windows loaded from the cache and their reads."""
+    return dict.fromkeys(("captured", "capture_s", "save_s", "save_bytes", "loaded", "load_s"), 0.0)
+
+
+def capture_times_text(t: dict[str, float]) -> str:
+    return (f"{t['captured']:.0f} windows captured (forward + copies to the host {t['capture_s']:.0f} s, cache "
+            f"writes {t['save_bytes'] / 1e9:.1f} GB in {t['save_s']:.0f} s), {t['loaded']:.0f} read from the cache "
+            f"in {t['load_s']:.0f} s")
+
+
 def load_or_capture(target: Any, mc: Any, windows: list[list[list[int]]], cfg: TrainDraftConfig,
-                    aux_idx: list[int], tag: str, progress: Any = None) -> list[dict[str, torch.Tensor]]:
+                    aux_idx: list[int], tag: str, progress: Any = None,
+                    times: dict[str, float] | None = None) -> list[dict[str, torch.Tensor]]:
     """Target states for each window (a list of segments, see :func:`stream_windows`, :func:`pack_samples`),
     its segments' shards concatenated in order; each window is loaded from or saved to the cache as one
-    ``.pt``."""
+    ``.pt``. ``times`` (from :func:`new_capture_times`) accumulates where the time went."""
+    times = times if times is not None else new_capture_times()
     cache = Path(cfg.cache_dir or cfg.output / "cache")
     cache.mkdir(parents=True, exist_ok=True)
     # The key names everything the cached tensors depend on, so a changed option never reuses stale states.
@@ -313,14 +327,20 @@ def load_or_capture(target: Any, mc: Any, windows: list[list[list[int]]], cfg: T
 
     def flush() -> None:
         segments = [seg for _, window in missing for seg in window]
-        shards = iter(capture_windows(target, mc, segments, aux_idx, cfg.device))
+        t = time.monotonic()
+        shards = iter(capture_windows(target, mc, segments, aux_idx, cfg.device))  # ends in host copies: synced
+        times["capture_s"] += time.monotonic() - t
+        times["captured"] += len(missing)
         for w, window in missing:
             parts = [next(shards) for _ in window]
             shard = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
             path = cache / f"{key}-{w:05d}.pt"
             tmp = path.with_suffix(".tmp")
+            t = time.monotonic()
             torch.save(shard, tmp)
             os.replace(tmp, path)  # atomic: a killed run never leaves a half-written shard
+            times["save_s"] += time.monotonic() - t
+            times["save_bytes"] += path.stat().st_size
             out[w] = shard
         if progress:
             progress.advance(task, len(missing))
@@ -330,7 +350,11 @@ def load_or_capture(target: Any, mc: Any, windows: list[list[list[int]]], cfg: T
     for w, window in enumerate(windows):
         flat = [t for seg in window for t in seg]
         path = cache / f"{key}-{w:05d}.pt"
+        t = time.monotonic()
         shard = torch.load(path) if path.is_file() else None
+        if shard is not None:
+            times["load_s"] += time.monotonic() - t
+            times["loaded"] += 1
         out.append(shard)
         if shard is None or shard["ids"].tolist() != flat:
             missing.append((w, window))
@@ -570,18 +594,21 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
             gen_ids = [t for ids, _ in gen_train for t in ids]
             note(f"self-distillation samples: {len(gen_eval)} held out, {len(gen_train)} of {cfg.gen_samples} for "
                  f"training ({len(gen_ids)} tokens)")
+        times = new_capture_times()
         train = load_or_capture(target, mc, stream_windows(train_ids, cfg.seq_len), cfg, aux_idx,
-                                f"train{cfg.holdout_tokens}", progress)
+                                f"train{cfg.holdout_tokens}", progress, times)
         if gen_train:
             packed = pack_samples([ids for ids, _ in gen_train], cfg.seq_len)
             tag = hashlib.sha1(json.dumps(packed).encode()).hexdigest()[:12]
-            train += load_or_capture(target, mc, packed, cfg, aux_idx, f"gen-{tag}", progress)
+            train += load_or_capture(target, mc, packed, cfg, aux_idx, f"gen-{tag}", progress, times)
         held = load_or_capture(target, mc, stream_windows(held_ids[:cfg.eval_tokens], cfg.seq_len), cfg, aux_idx,
-                               "heldout", progress)
+                               "heldout", progress, times)
         held_gen = capture_samples(target, mc, gen_eval, cfg, aux_idx)
+        t = time.monotonic()
         if cfg.device != "cpu":  # the whole training set fits on the accelerator: no copies per step
             train = [{k: v.to(cfg.device) for k, v in sh.items()} for sh in train]
-        note(f"target states: {len(train)} training windows of {cfg.seq_len}, {len(held)} + {len(held_gen)} held out")
+        note(f"target states: {len(train)} training windows of {cfg.seq_len}, {len(held)} + {len(held_gen)} held out; "
+             f"{capture_times_text(times)}; to the device {time.monotonic() - t:.0f} s")
 
         draft_ids = choose_draft_vocab(train_ids + gen_ids, cfg.draft_vocab, mc.vocab_size)
         head = build_head(target, mc, draft_ids, cfg.intermediate_size).to(cfg.device)
@@ -695,6 +722,6 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
                "gen_train_samples": len(gen_train),
                "gen_eval_samples": len(gen_eval), "train_windows": len(train), "crop_rows": rows,
                "train_s": train_s, "steps_per_s": (step - first_step) / max(train_s, 1e-9),
-               "heldout_tokens": len(held_ids), "compare": compare, **asdict(res)}
+               "heldout_tokens": len(held_ids), "capture_times": times, "compare": compare, **asdict(res)}
     (cfg.output / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return res
