@@ -104,7 +104,8 @@ class DenseAttention:
             local_len.append((ctx - 1) % bs + 1)
             num_full.append(j)
         fields.update(local_block=local, local_len=local_len, dense_num_full=num_full)
-        return {}
+        # the kernel's int32, converted once per step here, not once per layer by its wrapper
+        return dict.fromkeys(("local_block", "local_len", "dense_num_full"), torch.int32)
 
     def _bind_static(self, meta: StepMetadata, st) -> None:
         self._write_rows = st.q_rows
