@@ -11,6 +11,8 @@
      effective bandwidth = bytes of K+V actually read / time, for the default launch
      config and a small config sweep; versus torch SDPA over the same tokens gathered
      densely ([B, Hkv, 2064, D], enable_gqa) on each SDPA backend that runs;
+   * ``prefill_f32`` (not in the default list): float32 causal prefill attention at SmolLM2's heads, the
+     reference with a mask vs SDPA with enable_gqa vs ``attend_prefill``;
    * ``attention_f32`` (not in the default list): the same kernel at float32, SmolLM2-135M's decode shape
      (B=1024, Hkv=3, g=3, D=64, 47 x 16 tokens), under each tl.dot precision (ieee, tf32x3, tf32);
    * zero-copy UVA gather from pinned host memory, 4 / 16 / 64 KiB per (block, head)
@@ -333,6 +335,43 @@ def bench_attention_f32(res, quick):
                                            kv_bytes_read=kv_bytes, dtype="float32"), rows=rows)
 
 
+def bench_prefill_f32(res, quick):
+    """Float32 causal prefill attention at SmolLM2-135M's heads (9 query / 3 KV heads, D=64), the shapes of
+    train-draft's generation prefill and state capture: the reference arithmetic with an explicit mask
+    (``attend_ref``, what capture used), SDPA with ``enable_gqa`` (runs the math kernel at float32) and
+    ``attend_prefill`` (K/V heads repeated: the memory-efficient kernel). Error against float64, device time."""
+    from oasiskv_runtime.attention.ref import attend_prefill, attend_ref, causal_allowed
+    import torch.nn.functional as F
+
+    Hq, Hkv, D, dev = 9, 3, 64, "cuda"
+    scale = D ** -0.5
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(3)
+    rows = {}
+    for nq, nk in ((128, 128), (576, 576), (1024, 1024), (2048, 2048), (512, 2048)):
+        q = torch.randn(nq, Hq, D, device=dev, generator=gen)
+        k = torch.randn(nk, Hkv, D, device=dev, generator=gen)
+        v = torch.randn(nk, Hkv, D, device=dev, generator=gen)
+        mask = causal_allowed(nq, nk, q.device)
+        want = attend_ref(q.double(), k.double(), v.double(), scale, mask)
+        q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        fns = {
+            "attend_ref_mask": lambda: attend_ref(q, k, v, scale, mask),
+            "sdpa_enable_gqa": lambda: F.scaled_dot_product_attention(
+                q4, k4, v4, attn_mask=None if nq == nk else mask, is_causal=nq == nk, scale=scale,
+                enable_gqa=True)[0].transpose(0, 1),
+            "attend_prefill": lambda: attend_prefill(q, k, v, scale),
+        }
+        row = {}
+        for name, fn in fns.items():
+            err = rel_err(fn().double(), want)
+            m, _ = time_ms(fn, warmup=3, reps=10 if quick else 30)
+            row[name] = dict(ms=m, rel_err=err)
+        row["speedup_prefill_vs_sdpa_gqa"] = row["sdpa_enable_gqa"]["ms"] / row["attend_prefill"]["ms"]
+        rows[f"{nq}x{nk}"] = row
+    res["prefill_f32"] = dict(shape=dict(Hq=Hq, Hkv=Hkv, D=D, dtype="float32"), rows=rows)
+
+
 def gather_plan(n, num_host_blocks, BS, Hkv, D, dt):
     """Device K/V targets for ``n`` (block, head) copies, random sources, distinct random (block, head) targets."""
     nbd = math.ceil(n / Hkv)
@@ -570,7 +609,8 @@ def main():
         res["triton"] = triton.__version__
     except Exception:
         res["triton"] = None
-    parts = {"attention": bench_attention, "attention_f32": bench_attention_f32, "gather": bench_gather, "overlap": bench_overlap,
+    parts = {"attention": bench_attention, "attention_f32": bench_attention_f32,
+             "prefill_f32": bench_prefill_f32, "gather": bench_gather, "overlap": bench_overlap,
              "score": bench_score, "summary": bench_summary}
     for name in args.only.split(","):
         t0 = time.time()
@@ -597,6 +637,11 @@ def print_table(res):
     for k, v in res.get("attention_f32", {}).get("rows", {}).items():
         print(f"attention float32 SmolLM2 shape {k}: {v['ms'] * 1e3:.0f} us, {v['eff_TBps']:.2f} TB/s, "
               f"rel err {v['rel_err']:.1e}")
+    for k, v in res.get("prefill_f32", {}).get("rows", {}).items():
+        cells = ", ".join(f"{n} {x['ms'] * 1e3:.0f} us (err {x['rel_err']:.1e})" for n, x in v.items()
+                          if isinstance(x, dict))
+        print(f"prefill float32 9/3 heads {k}: {cells}; sdpa_gqa / attend_prefill "
+              f"{v['speedup_prefill_vs_sdpa_gqa']:.2f}x")
     if "attention_default" in res:
         s = res["attention_shape"]
         print(f"\nsparse attention B={s['B']} Q={s['Q']} Hq={s['Hq']} Hkv={s['Hkv']} D={s['D']} "

@@ -240,7 +240,9 @@ def test_summaries_grouped_cuda_equals_ref(dtype):
                                                   (torch.bfloat16, 64, 64, 8, 2, 128),
                                                   (torch.bfloat16, 1, 33, 4, 4, 128),
                                                   (torch.bfloat16, 300, 2077, 32, 8, 128),
-                                                  (torch.float32, 21, 50, 6, 3, 48)])
+                                                  (torch.float32, 21, 50, 6, 3, 48),
+                                                  (torch.float32, 577, 577, 9, 3, 64),
+                                                  (torch.float32, 131, 1030, 9, 3, 64)])
 def test_attend_prefill_cuda_matches_ref(dtype, nq, nk, hq, hkv, d):
     gen = _gen(nq + nk)
     q = torch.randn(nq, hq, d, generator=gen).to(dtype).cuda()
@@ -251,6 +253,29 @@ def test_attend_prefill_cuda_matches_ref(dtype, nq, nk, hq, hkv, d):
                      causal_allowed(nq, nk, "cpu") if nq > 1 else None)
     assert out.shape == (nq, hq, d) and out.dtype == dtype
     assert _rel(out.cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how", ["causal", "mask", "none"])
+def test_sdpa_gqa_matches_ref(device, dtype, how):
+    """sdpa_gqa: native GQA where flash can take it, K/V heads repeated where it cannot (CUDA float32, masks);
+    either way the reference's result, odd sizes, 9 query heads over 3 KV heads."""
+    from oasiskv_runtime.attention.ref import sdpa_gqa
+
+    nq, nk, hq, hkv, d = (77, 77, 9, 3, 64) if how == "causal" else (23, 141, 9, 3, 64)
+    gen = _gen(nq * 7 + nk)
+    q, k, v = (torch.randn(n, h, d, generator=gen) for n, h in ((nq, hq), (nk, hkv), (nk, hkv)))
+    mask = causal_allowed(nq, nk, "cpu") if how != "none" else None
+    if how == "mask":
+        mask = mask & (torch.rand(nq, nk, generator=gen) > 0.3)
+        mask[:, 0] = True
+    ref = attend_ref(q.double(), k.double(), v.double(), d ** -0.5, mask)
+    q4, k4, v4 = (t.to(dtype).to(device).transpose(0, 1)[None] for t in (q, k, v))
+    out = sdpa_gqa(q4, k4, v4, d ** -0.5, attn_mask=None if how != "mask" else mask.to(device),
+                   is_causal=how == "causal")
+    assert out.shape == (1, hq, nq, d) and out.dtype == dtype
+    assert _rel(out[0].transpose(0, 1).cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.gpu
@@ -267,12 +292,16 @@ def test_prefill_ops_do_not_synchronize():
     rows, reset = _prefill_rows(gen, 257, 40 * bs)
     rows, reset, kn = rows.cuda(), reset.cuda(), torch.randn(257, h, d).to(torch.bfloat16).cuda()
 
+    qf = q.float()
+
     def run():
         k, v = ug.uva_gather_blocks(hk, hv, table, 2000, 2077)
         k[2000:] = kn[:77]
         v[2000:] = kn[:77]
         attend_prefill(q[:77], k, v, d ** -0.5)
         attend_prefill(q, q[:, :8], q[:, 8:16], d ** -0.5)
+        attend_prefill(qf, qf[:, :8], qf[:, 8:16], d ** -0.5)  # float32: K/V heads repeated (sdpa_gqa)
+        attend_prefill(qf[:77], qf[:, :8], qf[:, 8:16], d ** -0.5)
         su.update_summaries(kn, rows, reset, smin, smax, assume_distinct=False)
 
     run()  # warm-up: kernel compilation, the one-off flash self-check

@@ -229,17 +229,18 @@ class _CausalKV:
     (``lengths``: their token counts in order; None = one sequence). Each sequence attends within itself."""
 
     def __init__(self, scale: float, lengths: list[int] | None = None) -> None:
-        from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+        from oasiskv_runtime.attention.ref import attend_prefill
 
-        self.scale, self._attend, self._allowed, self.lengths = scale, attend_ref, causal_allowed, lengths
+        # attend_prefill: the reference arithmetic on the CPU; on CUDA SDPA's causal kernels, never [H, n, n] scores
+        # in float32 (capture's forward was its time: 180 s of 206 for 6,047 windows of run 7, bench/NOTES.md)
+        self.scale, self._attend, self.lengths = scale, attend_prefill, lengths
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.lengths is None:
-            return self._attend(q, k, v, self.scale, self._allowed(q.shape[0], k.shape[0], q.device))
+            return self._attend(q, k, v, self.scale)
         outs, a = [], 0
         for n in self.lengths:
-            outs.append(self._attend(q[a:a + n], k[a:a + n], v[a:a + n], self.scale,
-                                     self._allowed(n, n, q.device)))
+            outs.append(self._attend(q[a:a + n], k[a:a + n], v[a:a + n], self.scale))
             a += n
         return torch.cat(outs)
 

@@ -36,11 +36,27 @@ def attend_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The same contract as :func:`attend_ref` on torch SDPA (used on CUDA, where bit-parity with
     transformers' CPU float32 is not the goal): q [nq, Hq, D], k/v [nk, Hkv, D]."""
+    out = sdpa_gqa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, attn_mask=allowed)
+    return out.transpose(0, 1)
+
+
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+             attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """torch SDPA with GQA on ``[..., H, n, D]`` tensors (``Hq`` a multiple of ``Hkv``).
+
+    ``enable_gqa`` is only implemented by the flash and math kernels; flash needs half precision and no mask, so a
+    float32 or masked call with ``enable_gqa`` runs the math kernel (scores materialised, several passes). On CUDA
+    such a call repeats the K/V heads instead, which lets the memory-efficient kernel take it (float32, masks and
+    ``is_causal`` supported). Same result either way; half precision without a mask keeps native GQA (flash)."""
     import torch.nn.functional as F
 
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=allowed, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv and q.is_cuda and (attn_mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
+        g = hq // hkv
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=hq != hkv)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -99,21 +115,19 @@ def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     CPU: :func:`attend_ref` with the explicit ``causal_allowed`` mask (bit-parity with transformers). CUDA:
     no ``[nq, nk]`` mask is built when it can be avoided: a chunk that is the whole sequence uses SDPA's
     ``is_causal``; a later chunk uses flash attention's bottom-right causal mode (memory O(nq + nk), never
-    ``[Hq, nq, nk]`` scores); float32 (no flash) falls back to SDPA with the boolean mask.
+    ``[Hq, nq, nk]`` scores); float32 (no flash) falls back to SDPA with the boolean mask. At float32 both SDPA calls
+    run the memory-efficient kernel (:func:`sdpa_gqa`).
     """
     nq, nk = q.shape[0], k.shape[0]
     if not q.is_cuda:
         return attend_ref(q, k, v, scale, causal_allowed(nq, nk, q.device) if nq > 1 else None)
     if nq == 1:
         return attend_fast(q, k, v, scale)
-    import torch.nn.functional as F
-
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if nq == nk:
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+        out = sdpa_gqa(q4, k4, v4, scale, is_causal=True)
     elif _lower_right_flash_ok(q, k):
         out = _flash_lower_right(q4, k4, v4, scale)
     else:
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_allowed(nq, nk, q.device), scale=scale,
-                                             enable_gqa=True)
+        out = sdpa_gqa(q4, k4, v4, scale, attn_mask=causal_allowed(nq, nk, q.device))
     return out[0].transpose(0, 1)
