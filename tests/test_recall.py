@@ -105,3 +105,29 @@ def test_recall_cli_continuations_and_no_proxy(tiny, tmp_path):
     (out,) = (tmp_path / "g").glob("recall/*/recall.json")
     (gap,) = json.loads(out.read_text())["gap_closed"]
     assert gap["draft"] == "ngram" and gap["num_texts"] == TEXTS and "gap closed" in r.output
+
+
+def test_merge_recall_takes_references_from_an_earlier_file_of_the_same_streams(tmp_path):
+    """bench/merge_recall.py: a --no-proxy run of a new head gets proxy-prefetch and the oracle of an earlier file;
+    its gap equals gap_closed over all points; files of other streams are refused."""
+    import dataclasses
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("merge_recall", Path(__file__).parents[1] / "bench" / "merge_recall.py")
+    mr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mr)
+    proxy = _point(None, [70, 80, 75, 77, 71], mode="proxy-prefetch")
+    oracle, old, new = _point("oracle", [98, 97, 99, 98, 96]), _point("a", [90, 93, 80, 96, 85]), _point("b", [91] * 5)
+    for p in (proxy, oracle, old, new):
+        p.forced_sha1 = "s1"
+    doc = lambda *ps: {"schema_version": 1, "model": "m", "device": "cpu",  # noqa: E731
+                       "points": [dataclasses.asdict(p) for p in ps]}
+    merged = mr.merge([doc(proxy, oracle, old), doc(new)])
+    assert {p["draft"] for p in merged["points"]} == {None, "oracle", "a", "b"}
+    assert merged["gap_closed"] == gap_closed([proxy, oracle, old, new])
+    (tmp_path / "a.json").write_text(json.dumps(doc(proxy, oracle, old)))
+    other = dataclasses.replace(new, forced_sha1="s2")
+    with pytest.raises(SystemExit, match="different streams"):
+        mr.merge([json.loads((tmp_path / "a.json").read_text()), doc(other)])
