@@ -49,6 +49,8 @@ GEN_PROMPT=${GEN_PROMPT:-384}     # excerpt tokens per generated sample (they jo
 GEN_PROMPT_MIN=${GEN_PROMPT_MIN:-$GEN_PROMPT}  # below GEN_PROMPT: excerpt lengths drawn from [min, GEN_PROMPT]
 SEQ_LEN=${SEQ_LEN:-1024}          # captured window (packed whole samples)
 STEPS=${STEPS:-20000}             # 1: generate and capture only (the cache in $CACHE_DIR serves the next call)
+GEN_ONLY=${GEN_ONLY:-}            # 1: generate only (--gen-only): no states, whose capture the next call repeats anyway
+                                  # when the cache's .pt files are deleted to spare the disk (runs 7-8)
 CROP_ROWS=${CROP_ROWS:-}          # head rows per training crop = the head's sliding window (empty: train-draft's default)
 GEN_BATCH=${GEN_BATCH:-512}
 RECALLS=${RECALLS:-1}             # 0: train only (the head's recalls in a later `recall` call)
@@ -116,7 +118,7 @@ python3 -m oasisbench.cli.main train-draft --model $MODEL --output $RUN --device
   --time-limit $TRAIN_LIMIT --time-schedule --cache-dir $CACHE_DIR \
   --gen-samples $GEN_SAMPLES --gen-eval-samples $GEN_EVAL --gen-prompt-tokens $GEN_PROMPT --gen-tokens $GEN_TOKENS \
   --gen-prompt-min-tokens $GEN_PROMPT_MIN ${CROP_ROWS:+--crop-rows $CROP_ROWS} \
-  --gen-batch $GEN_BATCH \
+  --gen-batch $GEN_BATCH ${GEN_ONLY:+--gen-only} \
   --gen-time-limit $GEN_LIMIT --compare-head $HEAD > /tmp/logs/train-draft.log 2>&1
 say "train-draft rc=$?"
 [ -f $RUN/model.safetensors ] && tar cf "$OUT/head.tar" -C $RUN config.json model.safetensors train_summary.json train.log

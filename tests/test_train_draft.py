@@ -329,3 +329,46 @@ def test_batched_crops_equal_one_call_per_crop(window, device):
     for name, p in head.named_parameters():
         if p.grad is not None:
             assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_gen_only_generates_and_caches_then_a_later_run_trains_on_that_text(tiny, tmp_path, monkeypatch):
+    """--gen-only stops after the text (no states, no head); the next run reads every round from the cache."""
+    import oasisbench.runners.train_draft as td
+
+    cfg = _cfg(tiny, tmp_path / "g", steps=2, checkpoint_every=0, gen_samples=3, gen_eval_samples=1,
+               gen_prompt_tokens=30, gen_tokens=12, gen_batch=2, cache_dir=tmp_path / "cache", gen_only=True)
+    res = train_draft(cfg, show_progress=False)
+    assert res.step == 0 and not (cfg.output / "model.safetensors").exists()
+    assert len(list((tmp_path / "cache").glob("gen-*.json"))) == 2 and not list((tmp_path / "cache").glob("*.pt"))
+    assert "generation only" in (cfg.output / "train.log").read_text()
+
+    def no_generation(*a, **k):
+        raise AssertionError("the cached rounds should have been read, not generated again")
+
+    monkeypatch.setattr(td, "generation_llm", no_generation)
+    cfg.gen_only = False
+    res = train_draft(cfg, show_progress=False)
+    summary = json.loads((cfg.output / "train_summary.json").read_text())
+    assert res.step == 2 and (cfg.output / "model.safetensors").is_file() and summary["gen_train_samples"] == 3
+
+
+def test_gen_only_without_text_is_an_error(tiny, tmp_path):
+    with pytest.raises(ValueError, match="--gen-only needs"):
+        train_draft(_cfg(tiny, tmp_path / "x", gen_only=True), show_progress=False)
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_cli_gen_only(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from oasisbench.cli.main import app
+
+    args = ["train-draft", "--model", tiny, "--output", str(tmp_path / "o"), "--device", "cpu", "--seq-len", "64",
+            "--batch-tokens", "48", "--num-train-tokens", "1024", "--holdout-tokens", "256", "--eval-tokens", "128",
+            "--draft-vocab", "128", "--intermediate-size", "64", "--gen-only"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code != 0 and "--gen-only needs --gen-samples" in res.output
+    res = CliRunner().invoke(app, args + ["--gen-samples", "2", "--gen-prompt-tokens", "30", "--gen-tokens", "8"])
+    assert res.exit_code == 0, res.output
+    assert "run again without --gen-only to train" in " ".join(res.output.split())  # rich wraps lines
+    assert list((tmp_path / "o" / "cache").glob("gen-*.json")) and not (tmp_path / "o" / "model.safetensors").exists()

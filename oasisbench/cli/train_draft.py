@@ -59,6 +59,8 @@ def train_draft_cmd(
                                                          "many seconds (samples keep what they have).")] = None,
     gen_eval_samples: Annotated[int, typer.Option("--gen-eval-samples", help="Greedy samples from holdout "
                                                   "excerpts, scored but never trained on.")] = 0,
+    gen_only: Annotated[bool, typer.Option("--gen-only", help="Stop after generating (and caching) the "
+                                           "self-distillation text; a later run without it trains.")] = False,
     crop_rows: Annotated[int | None, typer.Option("--crop-rows", help="Head rows per training crop, also the "
                                                   "head's sliding window. Default: the shortest window minus "
                                                   "one, at most --batch-tokens.")] = None,
@@ -80,7 +82,7 @@ def train_draft_cmd(
                            gen_prompt_tokens=gen_prompt_tokens,
                            gen_prompt_min_tokens=gen_prompt_min_tokens, gen_tokens=gen_tokens, gen_batch=gen_batch,
                            gen_time_limit_s=gen_time_limit, gen_eval_samples=gen_eval_samples,
-                           compare_head=compare_head, crop_rows=crop_rows)
+                           compare_head=compare_head, crop_rows=crop_rows, gen_only=gen_only)
     for name in ("steps", "batch_tokens", "draft_vocab", "seq_len", "num_train_tokens", "intermediate_size",
                  "gen_prompt_tokens", "gen_tokens", "gen_batch"):
         if getattr(cfg, name) <= 0:
@@ -97,6 +99,10 @@ def train_draft_cmd(
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise fail(str(e)) from None
     console = Console()
+    if gen_only:
+        console.print(f"generated the self-distillation text in {res.wall_s:.0f} s, cached in "
+                      f"{cache_dir or output / 'cache'}; run again without --gen-only to train")
+        return
     curve = Table(title="training loss (soft CE vs target, draft vocab)")
     for col in ("step", "loss", "top-1 agreement"):
         curve.add_column(col)

@@ -84,6 +84,9 @@ class TrainDraftConfig:
     kept as far as they got (a cached round is reused as it was cut)."""
     gen_eval_samples: int = 0
     """Greedy samples from holdout excerpts, scored (generated tokens only), never trained on."""
+    gen_only: bool = False
+    """Stop once the self-distillation text is generated and cached (a later run without it captures and trains):
+    a time-limited session spends no time on states it would capture again."""
     crop_rows: int | None = None
     """Head rows per training crop, which is also the saved head's sliding window (windows of at most this many
     tokens are left out). Default: the shortest kept window minus one, at most ``batch_tokens``."""
@@ -563,6 +566,8 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
 
     from oasiskv_runtime.models.loader import load_model
 
+    if cfg.gen_only and not (cfg.gen_eval_samples or cfg.gen_samples):
+        raise ValueError("--gen-only needs --gen-samples or --gen-eval-samples: there is no text to generate")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     cfg.output.mkdir(parents=True, exist_ok=True)
@@ -595,6 +600,9 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
             gen_ids = [t for ids, _ in gen_train for t in ids]
             note(f"self-distillation samples: {len(gen_eval)} held out, {len(gen_train)} of {cfg.gen_samples} for "
                  f"training ({len(gen_ids)} tokens)")
+        if cfg.gen_only:
+            note("generation only: the rounds are cached; run again without --gen-only to capture and train")
+            return TrainDraftResult(step=0, wall_s=time.monotonic() - t0)
         times = new_capture_times()
         train = load_or_capture(target, mc, stream_windows(train_ids, cfg.seq_len), cfg, aux_idx,
                                 f"train{cfg.holdout_tokens}", progress, times)
