@@ -101,7 +101,7 @@ def train_draft_cmd(
     console = Console()
     if gen_only:
         console.print(f"generated the self-distillation text in {res.wall_s:.0f} s, cached in "
-                      f"{cache_dir or output / 'cache'}; run again without --gen-only to train")
+                      f"{cfg.cache_path}; run again without --gen-only to train")
         return
     curve = Table(title="training loss (soft CE vs target, draft vocab)")
     for col in ("step", "loss", "top-1 agreement"):

@@ -93,6 +93,11 @@ class TrainDraftConfig:
     compare_head: Path | None = None
     """An existing head scored on the same held-out text (``compare`` in the summary), e.g. the shipped one."""
 
+    @property
+    def cache_path(self) -> Path:
+        """Where generated rounds and captured states are cached: ``cache_dir``, else ``output/cache``."""
+        return Path(self.cache_dir or self.output / "cache")
+
 
 @dataclass
 class TrainDraftResult:
@@ -195,7 +200,7 @@ def generate_samples(cfg: TrainDraftConfig, requests: list[tuple[list[int], dict
     ``t0``: no new round starts, and the running one keeps the tokens its samples have so far."""
     from oasiskv_runtime import SamplingParams
 
-    cache = Path(cfg.cache_dir or cfg.output / "cache")
+    cache = cfg.cache_path
     cache.mkdir(parents=True, exist_ok=True)
     # Everything the samples depend on, so a changed option never reuses stale text.
     key = hashlib.sha1(json.dumps([Path(cfg.model).name, tag, cfg.gen_tokens, requests]).encode()).hexdigest()[:12]
@@ -321,7 +326,7 @@ def load_or_capture(target: Any, mc: Any, windows: list[list[list[int]]], cfg: T
     its segments' shards concatenated in order; each window is loaded from or saved to the cache as one
     ``.pt``. ``times`` (from :func:`new_capture_times`) accumulates where the time went."""
     times = times if times is not None else new_capture_times()
-    cache = Path(cfg.cache_dir or cfg.output / "cache")
+    cache = cfg.cache_path
     cache.mkdir(parents=True, exist_ok=True)
     # The key names everything the cached tensors depend on, so a changed option never reuses stale states.
     key = f"{Path(cfg.model).name}-L{cfg.seq_len}-aux{'_'.join(map(str, aux_idx))}-top{TOPK}-{tag}"
