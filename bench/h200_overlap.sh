@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (issue #4): where oasiskv's decode step loses to the all-resident step at B >= 64.
 # Qwen3-8B RANDOM WEIGHTS, CUDA graphs, warm-up 20 + 10 timed steps (past the 17th token's new block bucket).
-#   1. the decode table's B = 64 / 128 points at CONTEXT (default 32768) with the gather grid and the pipeline's
-#      stream priority as A/B variants (GRIDS, PRIOS), oasiskv and oasiskv-no-transfer side by side;
+#   1. the decode table's B = 64 / 128 points at CONTEXT (default 32768) with the gather grid, its copies in
+#      flight per CTA and the pipeline's stream priority as A/B variants (GRIDS, COPIES, PRIOS); oasiskv and
+#      oasiskv-no-transfer side by side;
 #   2. raw torch.profiler traces (2 steps as they run, graph replays included) of oasiskv and of the no-transfer
 #      step at B = 64 and CONTEXT, and of oasiskv at 16K (the link-bound case), for bench/trace_overlap.py.
 # Everything lands in $OUT/overlap.tar.gz (the device returns at most 8 files) and the summary in $OUT.
@@ -41,7 +42,7 @@ bench() {  # NAME, then bench_decode.py arguments
   echo "$name exit $? at $(elapsed)s"
 }
 bench ab --modes oasiskv,oasiskv-no-transfer --batch 64,128 --context "$CONTEXT" \
-  --gather-ctas "${GRIDS:-32,16,64}" --pipeline-priority "${PRIOS:-0,-1}"
+  --gather-ctas "${GRIDS:-32,16}" --gather-copies "${COPIES:-1,2}" --pipeline-priority "${PRIOS:-0,-1}"
 bench resident --modes oasiskv-no-transfer --batch 64 --context "$CONTEXT"
 bench link16k --modes oasiskv --batch 64 --context 16384
 
