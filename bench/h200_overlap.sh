@@ -10,7 +10,7 @@
 #
 #   run(command="bash bench/h200_overlap.sh", timeout_s=600)
 #
-# EXTRA: more bench_decode.py arguments for every process (e.g. an engine A/B option).
+# SKIP_RAW=1: only step 1. EXTRA: more bench_decode.py arguments for every process (e.g. an engine A/B option).
 set -u
 OUT=${OUT:-/tmp/h200-out}
 R=$OUT/overlap
@@ -43,8 +43,10 @@ bench() {  # NAME, then bench_decode.py arguments
 }
 bench ab --modes oasiskv,oasiskv-no-transfer --batch 64,128 --context "$CONTEXT" \
   --gather-ctas "${GRIDS:-32,16}" --gather-copies "${COPIES:-1,2}" --pipeline-priority "${PRIOS:-0,-1}"
-bench resident --modes oasiskv-no-transfer --batch 64 --context "$CONTEXT"
-bench link16k --modes oasiskv --batch 64 --context 16384
+if [ -z "${SKIP_RAW:-}" ]; then
+  bench resident --modes oasiskv-no-transfer --batch 64 --context "$CONTEXT"
+  bench link16k --modes oasiskv --batch 64 --context 16384
+fi
 
 python3 - "$R" <<'EOF' | tee "$OUT/summary.txt"
 import glob, json, os, sys
