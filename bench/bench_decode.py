@@ -176,6 +176,8 @@ VARIANT_OPTIONS = (
     ("--gather-copies", "gather_copies", int, "copies in flight per CTA of the UVA gather, e.g. 1,4"),
     ("--select-kernel", "select_kernel", _switch,
      "the fused selection + plan kernel (1) against its PyTorch composition (0), e.g. 1,0"),
+    ("--gather-hint", "gather_hint", str, "cache hints of the UVA gather (see SparseConfig.gather_hint), e.g. "
+     "',stream,cv' (an empty item: none)"),
     ("--pipeline-priority", "pipeline_priority", int,
      "CUDA priorities of the prefetch pipeline's streams (lower is higher), e.g. 0,-1"),
     ("--link-gbps", "link_gbps", float, "per-step fetch caps from the link's budget in GB/s (0: the fixed cap), "

@@ -19,6 +19,8 @@
      copy, Triton (grids of 8-132 CTAs or one per copy) and CUDA C kernels, against a bulk
      pinned host->device copy;
    * overlap: the gather on a side stream under decode-sized GEMMs on the main stream, per grid;
+   * ``interference`` (not in the default list): what the gather costs the HBM-bound kernels beside it (the
+     sparse attention, decode GEMMs) per grid, copies in flight and cache hint, with a device-memory control;
    * Quest score + top-k at 16K / 32K context (1024 / 2048 blocks), B=64, k=128;
    * summary update for one decode step (64 tokens).
 Writes JSON (``--out``, default ``$OUT/kernels.json`` or ./kernels.json) and prints a table.
@@ -129,10 +131,16 @@ def rel_err(out, ref):
 
 
 # --------------------------------------------------------------------------------------
-def bench_attention(res, quick):
-    B, Qn, Hq, Hkv, D, BS, N = 64, 2, 32, 8, 128, 16, 128
+ATTN_SHAPE = dict(B=64, Q=2, Hq=32, Hkv=8, D=128, block_size=16, N=128)
+"""The sparse attention benchmark's shape: Qwen3-8B heads, batch 64, 128 resident blocks + the local one per head."""
+
+
+def attention_inputs():
+    """Random bf16 inputs of the sparse decode attention at :data:`ATTN_SHAPE` (each (block, head) slice read
+    exactly once): (q, kc, vc, bids, lb, ll, scale, ek, ev, kv_bytes read per call)."""
+    B, Qn, Hq, Hkv, D, BS, N = (ATTN_SHAPE[k] for k in ("B", "Q", "Hq", "Hkv", "D", "block_size", "N"))
     dt, dev = torch.bfloat16, "cuda"
-    NB = B * N + B  # each (block, head) slice is read exactly once
+    NB = B * N + B
     g = torch.Generator(device=dev)
     g.manual_seed(1)
     kc = torch.randn(NB, BS, Hkv, D, device=dev, dtype=dt, generator=g)
@@ -144,15 +152,21 @@ def bench_attention(res, quick):
                         for _ in range(Hkv)], dim=1).int().contiguous()  # [B, Hkv, N]
     lb = torch.arange(B * N, B * N + B, device=dev, dtype=torch.int32)
     ll = torch.full((B,), BS, device=dev, dtype=torch.int32)
-    scale = D ** -0.5
+    kv_bytes = B * Hkv * (N * BS + BS) * D * 2 * 2
+    return q, kc, vc, bids, lb, ll, D ** -0.5, ek, ev, kv_bytes
+
+
+def bench_attention(res, quick):
+    B, Qn, Hq, Hkv, D, BS, N = (ATTN_SHAPE[k] for k in ("B", "Q", "Hq", "Hkv", "D", "block_size", "N"))
+    dev = "cuda"
+    q, kc, vc, bids, lb, ll, scale, ek, ev, kv_bytes = attention_inputs()
     tokens = N * BS + BS
-    kv_bytes = B * Hkv * tokens * D * 2 * 2
     res["attention_shape"] = dict(B=B, Q=Qn, Hq=Hq, Hkv=Hkv, D=D, block_size=BS,
                                   blocks_per_head=N + 1, tokens_per_head=tokens,
                                   kv_bytes_read=kv_bytes, dtype="bf16")
 
     # correctness at this shape
-    out = torch.full((B, Qn, Hq, D), float("nan"), device=dev, dtype=dt)
+    out = torch.full((B, Qn, Hq, D), float("nan"), device=dev, dtype=q.dtype)
     sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, scale, ek, ev, out=out, backend="triton")
     ref = sa.sparse_decode_attention_ref(q.float(), kc.float(), vc.float(), bids, lb, ll, scale,
                                          ek.float(), ev.float())
@@ -454,6 +468,37 @@ GATHER_GRIDS = (0, 8, 16, 32, 64, 132)
 """Grid sizes (CTAs) of the Triton gather swept here; 0 = one CTA per copy."""
 
 
+def side_by_side(fg, bg, side, reps):
+    """Median (foreground ms, background ms, both done ms) over ``reps`` rounds (after one untimed round), each
+    timed from one start event: ``fg`` (or None) on the current stream, ``bg`` (or None) on stream ``side``."""
+    def timed():
+        cur = torch.cuda.current_stream()
+        t0, e_fg, e_bg = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        t0.record()
+        side.wait_stream(cur)
+        if bg is not None:
+            with torch.cuda.stream(side):
+                bg()
+        e_bg.record(side)
+        if fg is not None:
+            fg()
+        e_fg.record()
+        cur.wait_stream(side)
+        torch.cuda.synchronize()
+        f, b = t0.elapsed_time(e_fg), t0.elapsed_time(e_bg)
+        return f, b, max(f, b)
+
+    timed()
+    rounds = [timed() for _ in range(reps)]
+    return [statistics.median(r[i] for r in rounds) for i in range(3)]
+
+
+def pinned_pool(gib, BS=16, Hkv=8, D=128, dt=torch.bfloat16):
+    """A random pinned host K and V pool of ``gib`` GiB each, ``[blocks, BS, Hkv, D]``."""
+    nbh = (gib << 30) // (BS * Hkv * D * 2)
+    return torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory(), torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()
+
+
 def bench_overlap(res, quick):
     """Does a prefetch hide behind the step's kernels? A foreground of decode-sized GEMMs (weight reads, like a
     decode step's projections: x [64, 4096] @ W [4096, 14336] bf16, repeated) on the current stream, and a
@@ -461,11 +506,9 @@ def bench_overlap(res, quick):
     foreground), alone and together, per gather grid. Hidden: foreground-with-gather ~= foreground alone and
     the pair ends ~= max(alone times)."""
     dt, Hkv, D, BS = torch.bfloat16, 8, 128, 16
-    nbh = (2 << 30) // (BS * Hkv * D * 2)
-    hk = torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()  # 2 GiB each, random pages
-    hv = torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()
+    hk, hv = pinned_pool(2)  # 2 GiB each, random pages
     n = (128 << 20) // (BS * D * 2)  # 128 MiB of K + 128 MiB of V
-    dk, dv, src, dst, heads = gather_plan(n, nbh, BS, Hkv, D, dt)
+    dk, dv, src, dst, heads = gather_plan(n, hk.shape[0], BS, Hkv, D, dt)
     x = torch.randn(64, 4096, device="cuda", dtype=dt)
     w = torch.randn(4096, 14336, device="cuda", dtype=dt)
     side = torch.cuda.Stream()
@@ -475,39 +518,79 @@ def bench_overlap(res, quick):
         for _ in range(160):
             torch.mm(x, w)
 
-    def timed(run_fg, run_bg, progs):
-        """(foreground ms, background ms, both done ms) of one round, from one start event."""
-        cur = torch.cuda.current_stream()
-        t0, e_fg, e_bg = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        t0.record()
-        side.wait_stream(cur)
-        if run_bg:
-            with torch.cuda.stream(side):
-                ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend="triton", programs=progs)
-        e_bg.record(side)
-        if run_fg:
-            fg()
-        e_fg.record()
-        cur.wait_stream(side)
-        torch.cuda.synchronize()
-        return t0.elapsed_time(e_fg), t0.elapsed_time(e_bg), max(t0.elapsed_time(e_fg), t0.elapsed_time(e_bg))
+    def bg(progs):
+        return lambda: ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend="triton", programs=progs)
 
-    def median(run_fg, run_bg, progs):
-        timed(run_fg, run_bg, progs)
-        rounds = [timed(run_fg, run_bg, progs) for _ in range(reps)]
-        return [statistics.median(r[i] for r in rounds) for i in range(3)]
-
-    fg_alone = median(True, False, 0)[0]
+    fg_alone = side_by_side(fg, None, side, reps)[0]
     out = {"foreground_alone_ms": fg_alone, "gather_bytes": 2 * n * BS * D * 2, "copies": n, "grids": {}}
     for progs in GATHER_GRIDS:
-        bg_alone = median(False, True, progs)[1]
-        f, b, both = median(True, True, progs)
+        bg_alone = side_by_side(None, bg(progs), side, reps)[1]
+        f, b, both = side_by_side(fg, bg(progs), side, reps)
         out["grids"][str(progs or n)] = dict(
             gather_alone_ms=bg_alone, gather_GBps=out["gather_bytes"] / bg_alone / 1e6,
             foreground_with_gather_ms=f, gather_with_foreground_ms=b, both_ms=both,
             foreground_slowdown=f / fg_alone, hidden_fraction=(fg_alone + bg_alone - both) / min(fg_alone, bg_alone))
     res["gather_overlap"] = out
     del hk, hv
+
+
+#: (source, CTAs, copies per CTA, cache hint) of the gathers ``bench_interference`` puts beside each foreground;
+#: source "device": the same kernel reading a pool in HBM (a control: the SMs and the stores without PCIe reads).
+INTERFERENCE_GATHERS = (("host", 8, 1, ""), ("host", 12, 1, ""), ("host", 16, 1, ""), ("host", 32, 1, ""),
+                        ("host", 8, 4, ""), ("host", 8, 8, ""), ("host", 32, 1, "cg"), ("host", 32, 1, "cv"),
+                        ("host", 32, 1, "stream"), ("host", 16, 1, "stream"), ("device", 32, 1, ""),
+                        ("device", 8, 1, ""))
+
+
+def bench_interference(res, quick):
+    """What a UVA gather costs the HBM-bound kernels it runs beside (issue #4: at 32K x 64 the decode step's
+    sparse attention ran 1.4x slower while the prefetch streamed). Foregrounds on the current stream, each ~12 ms:
+    the sparse decode attention at the benchmark shape, repeated, and decode-sized GEMMs; a 256 MiB gather of
+    4 KiB (block, head) copies on a side stream, per :data:`INTERFERENCE_GATHERS` variant. Per pair: the
+    foreground's slowdown, the gather's rate beside it, and the foreground milliseconds lost per GB gathered
+    (the cost a decode step pays per GB it prefetches, if the gather overlaps it completely)."""
+    dt, Hkv, D, BS = torch.bfloat16, 8, 128, 16
+    hk, hv = pinned_pool(2)
+    dev_pool = [t[: hk.shape[0] // 2].cuda() for t in (hk, hv)]  # 1 GiB each in HBM
+    n = (128 << 20) // (BS * D * 2)
+    dk, dv, src, dst, heads = gather_plan(n, dev_pool[0].shape[0], BS, Hkv, D, dt)
+    gbytes = 2 * n * BS * D * 2
+    q, kc, vc, bids, lb, ll, scale, ek, ev, kv_bytes = attention_inputs()
+    out_attn = torch.empty_like(q)
+    x = torch.randn(64, 4096, device="cuda", dtype=dt)
+    w = torch.randn(4096, 14336, device="cuda", dtype=dt)
+    attn1 = lambda: sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, scale, ek, ev, out=out_attn,  # noqa: E731
+                                               backend="triton")
+    attn1()
+    torch.cuda.synchronize()
+    per_call = time_ms(attn1, warmup=5, reps=20)[0]
+    reps_attn = max(10, int(12.0 / per_call))
+    fgs = {"sparse_attention": lambda: [attn1() for _ in range(reps_attn)],
+           "gemm": lambda: [torch.mm(x, w) for _ in range(360)]}
+    side = torch.cuda.Stream()
+    reps = 3 if quick else 5
+    out = {"gather_bytes": gbytes, "copies": n, "attention_calls": reps_attn, "foregrounds": {}}
+    for fname, fg in fgs.items():
+        fg_alone = side_by_side(fg, None, side, reps)[0]
+        rows = {"alone_ms": fg_alone}
+        for source, progs, copies, hint in INTERFERENCE_GATHERS:
+            pool = (hk, hv) if source == "host" else dev_pool
+            bg = (lambda pool=pool, progs=progs, copies=copies, hint=hint: ug.uva_gather(
+                pool[0], pool[1], dk, dv, src, dst, heads, backend="triton", programs=progs, copies=copies,
+                hint=hint))
+            key = f"{source}/{progs}x{copies}/{hint or 'default'}"
+            try:
+                bg_alone = side_by_side(None, bg, side, reps)[1]
+                f, b, _ = side_by_side(fg, bg, side, reps)
+                overlapped = gbytes * min(1.0, f / b)  # bytes moved while the foreground ran
+                rows[key] = dict(gather_alone_GBps=gbytes / bg_alone / 1e6, gather_beside_GBps=gbytes / b / 1e6,
+                                 foreground_ms=f, slowdown=f / fg_alone,
+                                 lost_ms_per_GB=(f - fg_alone) / (overlapped / 1e9))
+            except Exception as e:  # a variant that does not compile: record, go on
+                rows[key] = dict(error=repr(e)[:200])
+        out["foregrounds"][fname] = rows
+    res["gather_interference"] = out
+    del hk, hv, dev_pool
 
 
 def bench_score(res, quick):
@@ -611,6 +694,7 @@ def main():
         res["triton"] = None
     parts = {"attention": bench_attention, "attention_f32": bench_attention_f32,
              "prefill_f32": bench_prefill_f32, "gather": bench_gather, "overlap": bench_overlap,
+             "interference": bench_interference,
              "score": bench_score, "summary": bench_summary}
     for name in args.only.split(","):
         t0 = time.time()
@@ -707,6 +791,19 @@ def print_table(res):
         v = res["summary_update_decode_T64"]
         print(f"\nsummary update (decode, 64 tokens): kernel {v['kernel_ms'] * 1e3:.1f} us eager, "
               f"{v['kernel_graph_ms'] * 1e3:.1f} us graph; ref {v['ref_ms'] * 1e3:.1f} us eager")
+    if "gather_interference" in res:
+        o = res["gather_interference"]
+        print(f"\nGather beside HBM-bound kernels ({o['gather_bytes'] / 2**20:.0f} MiB; variant = source/CTAs x "
+              f"copies/hint)")
+        for fname, rows in o["foregrounds"].items():
+            print(f"  {fname}: alone {rows['alone_ms']:.2f} ms")
+            for key, x in rows.items():
+                if key == "alone_ms":
+                    continue
+                print(f"    {key:24s} " + (f"gather {x['gather_alone_GBps']:5.1f} GB/s alone, "
+                                          f"{x['gather_beside_GBps']:5.1f} beside; foreground x{x['slowdown']:.2f}, "
+                                          f"{x['lost_ms_per_GB']:5.2f} ms lost per GB" if "slowdown" in x
+                                          else x["error"][:80]))
     for k, v in res["errors"].items():
         print(f"\nERROR in {k}:\n{v[-800:]}")
 

@@ -10,7 +10,8 @@
 #
 #   run(command="bash bench/h200_overlap.sh", timeout_s=600)
 #
-# SKIP_RAW=1: only step 1. EXTRA: more bench_decode.py arguments for every process (e.g. an engine A/B option).
+# KERNELS: bench_kernels.py parts to run first (e.g. interference). HINTS: gather cache hints to A/B in step 1
+# (e.g. ',stream,cv'). SKIP_RAW=1: only step 1. EXTRA: more bench_decode.py arguments for every process.
 set -u
 OUT=${OUT:-/tmp/h200-out}
 R=$OUT/overlap
@@ -32,6 +33,13 @@ if [ -n "${TESTS:-}" ]; then
   tail -5 "$R/gpu-tests.log"
 fi
 
+if [ -n "${KERNELS:-}" ]; then
+  timeout --kill-after=5 200 python3 bench/bench_kernels.py --quick --only "$KERNELS" --out "$R/kernels.json" \
+    >"$R/kernels.log" 2>&1
+  echo "kernels exit $? at $(elapsed)s" | tee -a "$R/kernels.log"
+  grep -A40 "Gather beside" "$R/kernels.log" | tee "$OUT/kernels.txt"
+fi
+
 bench() {  # NAME, then bench_decode.py arguments
   local name=$1; shift
   local left=$(( BUDGET_S - $(elapsed) ))
@@ -42,7 +50,8 @@ bench() {  # NAME, then bench_decode.py arguments
   echo "$name exit $? at $(elapsed)s"
 }
 bench ab --modes oasiskv,oasiskv-no-transfer --batch 64,128 --context "$CONTEXT" \
-  --gather-ctas "${GRIDS:-32,16}" --gather-copies "${COPIES:-1,2}" --pipeline-priority "${PRIOS:-0,-1}"
+  --gather-ctas "${GRIDS:-32,16}" --gather-copies "${COPIES:-1,2}" --pipeline-priority "${PRIOS:-0,-1}" \
+  ${HINTS:+--gather-hint "$HINTS"}
 if [ -z "${SKIP_RAW:-}" ]; then
   bench resident --modes oasiskv-no-transfer --batch 64 --context "$CONTEXT"
   bench link16k --modes oasiskv --batch 64 --context 16384
@@ -52,7 +61,8 @@ python3 - "$R" <<'EOF' | tee "$OUT/summary.txt"
 import glob, json, os, sys
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     for p in json.load(open(f))["points"]:
-        var = ",".join(f"{k}={p[k]}" for k in ("gather_ctas", "gather_copies", "pipeline_priority") if k in p)
+        var = ",".join(f"{k}={p[k]}" for k in ("gather_ctas", "gather_copies", "gather_hint", "pipeline_priority")
+                       if k in p)
         print(f"{os.path.basename(f):14} {p['mode']:20} ctx={p['context']:6} B={p['batch']:4} {var:32} "
               f"{p.get('step_ms', float('nan')):7.2f} ms  {p.get('fetched_bytes_per_step', 0) / 1e6:7.0f} MB/step "
               f"{p.get('error', '')}")

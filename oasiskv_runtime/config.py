@@ -226,6 +226,11 @@ class SparseConfig:
     """Copies each CTA of that gather has in flight at once (a power of two): a PCIe read stalls its CTA for
     microseconds, so with one at a time a small grid cannot keep the link busy."""
 
+    gather_hint: str = ""
+    """Cache hints of that gather's host loads and device stores, a key of
+    ``oasiskv_runtime.ops.uva_gather.GATHER_HINTS`` ("": the hardware's defaults; "cg", "cv", "stream"). For A/B
+    runs of what the prefetch costs the step's HBM-bound kernels (bench/NOTES.md)."""
+
     copy_engine_prefill: bool = True
     """Host-pool modes on CUDA: a prefill chunk's KV goes to the pool, and its prefix comes back from it, by
     ``cudaMemcpyAsync`` over runs of consecutive pool rows on two side streams (the copy engines, beside the
@@ -270,6 +275,8 @@ class SparseConfig:
             raise ValueError(f"link_gbps must be >= 0 (0: the fixed fetch cap), got {self.link_gbps}")
         if self.pipeline_priority > 0:
             raise ValueError(f"pipeline_priority must be <= 0 (lower is higher), got {self.pipeline_priority}")
+        if self.gather_hint not in ("", "cg", "cv", "stream"):
+            raise ValueError(f"gather_hint must be '', 'cg', 'cv' or 'stream', got {self.gather_hint!r}")
         if self.gather_ctas < 0:
             raise ValueError(f"gather_ctas must be >= 0 (0: one CTA per copy), got {self.gather_ctas}")
         object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))

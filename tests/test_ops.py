@@ -565,6 +565,31 @@ def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tier
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("hint", sorted(ug.GATHER_HINTS))
+def test_uva_gather_cache_hints_copy_the_same(device, hint):
+    """Every cache hint of the Triton gather (a measurement knob: bench_kernels.py --only interference) copies
+    what the reference copies, tiered pool and unused entries included; an unknown hint is refused by name."""
+    gen = _gen(len(hint) + 5)
+    BS, Hkv, D, n_host, n_tier, n = 8, 3, 48, 19, 11, 67
+    hk, hv, dk, dv, src, dst, heads = _gather_inputs(gen, n_host + n_tier, 41, BS, Hkv, D, n)
+    src = torch.where(torch.rand(n, generator=gen) < 0.2, torch.full_like(src, -1), src)
+    tier = ug.PoolTier(hk[n_host:].clone().to(device), hv[n_host:].clone().to(device), n_host)
+    hk, hv = hk[:n_host].contiguous(), hv[:n_host].contiguous()
+    if device == "cuda":
+        hk, hv = hk.pin_memory(), hv.pin_memory()
+    dk, dv = dk.to(device), dv.to(device)
+    want_k, want_v = dk.cpu().clone(), dv.cpu().clone()
+    ug.uva_gather_ref(hk.cpu(), hv.cpu(), want_k, want_v, src, dst, heads,
+                      tier=ug.PoolTier(tier.k.cpu(), tier.v.cpu(), n_host))
+    ug._gather_triton(hk, hv, dk, dv, src.to(device), dst.to(device), heads.to(device), n, 5, 2, tier, hint)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dk.cpu(), want_k) and torch.equal(dv.cpu(), want_v)
+    with pytest.raises(ValueError, match="unknown gather hint 'bogus'"):
+        ug.uva_gather(hk, hv, dk, dv, src, dst, heads, hint="bogus")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("programs", [0, 5])
 @pytest.mark.parametrize("tiered", [False, True])
 def test_uva_scatter_triton_kernel_tier(device, programs, tiered):
@@ -608,6 +633,15 @@ def test_pipeline_priority_must_not_be_positive():
     with pytest.raises(ValueError, match="pipeline_priority must be <= 0"):
         SparseConfig(pipeline_priority=1)
     assert SparseConfig(pipeline_priority=-3).pipeline_priority == -3
+
+
+def test_gather_hint_is_one_the_kernel_knows():
+    from oasiskv_runtime.config import SparseConfig
+
+    with pytest.raises(ValueError, match="gather_hint must be"):
+        SparseConfig(gather_hint="evict_first")
+    for hint in ug.GATHER_HINTS:  # the config and the kernel agree on the names
+        assert SparseConfig(gather_hint=hint).gather_hint == hint
 
 
 @pytest.mark.gpu

@@ -77,6 +77,18 @@ class PoolTier(NamedTuple):
     first: int
 
 
+#: Cache hints of the Triton gather's host loads and device stores, by name: (load cache modifier, load eviction
+#: policy, store cache modifier). "" leaves both to the hardware's defaults; the others exist to measure whether
+#: the host reads' path through L1 / L2 is what slows the HBM-bound kernels beside the gather
+#: (``bench/bench_kernels.py --only interference``).
+GATHER_HINTS = {
+    "": ("", "", ""),
+    "cg": (".cg", "", ""),  # loads cached in L2 only, not L1
+    "cv": (".cv", "", ""),  # loads not cached: fetched again on every access
+    "stream": ("", "evict_first", ".cs"),  # loads first to leave L2, stores streamed (evict-first)
+}
+
+
 def split_ids(ids: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids below first, ids at or past first minus first)``, each ``-1`` where the id belongs to the other part
     (an id of ``-1`` stays ``-1`` in both): two fixed-size lists for one masked launch each."""
@@ -154,14 +166,14 @@ def _kernels():
     def _uva_gather_kernel(HK, HV, TK, TV, DK, DV, SRC, DST, HEADS, n, groups, programs, first,
                            hs_b, hs_t, hs_h, ds_b, ds_t, ds_h, BS: tl.constexpr,
                            D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                           TIER: tl.constexpr):
+                           TIER: tl.constexpr, LCM: tl.constexpr, LEV: tl.constexpr, SCM: tl.constexpr):
         # A grid of `programs` CTAs, each looping over groups of C copies: group pid, pid + programs, ... The
         # C copies' K and V tiles are all loaded before any is stored, so a CTA keeps 2 C tiles of reads in
         # flight: a PCIe read stalls its CTA for microseconds, and a CTA with one copy in flight spends most of
         # its time waiting (on the H200 the decode prefetch moved ~25 GB/s that way under the step's kernels).
-        # A small grid leaves the other SMs to the foreground kernels. TIER: ids >= first are block
-        # id - first of TK / TV (same strides as HK / HV), in the same pass (masked loads of the other part
-        # move nothing), so a tiered pool costs one launch, not one per part.
+        # A small grid leaves the other SMs to the foreground kernels. TIER: ids >= first are block id - first
+        # of TK / TV (same strides as HK / HV), in the same pass (masked loads of the other part move nothing),
+        # so a tiered pool costs one launch, not one per part. LCM / LEV / SCM: the hints of GATHER_HINTS.
         c = tl.arange(0, C)
         r = tl.arange(0, ROWS)
         d = tl.arange(0, D_PAD)
@@ -189,13 +201,15 @@ def _kernels():
                 if TIER:
                     mt = m & in_tier[:, None, None]
                     mh = m & ~in_tier[:, None, None]
-                    xk = tl.where(mt, tl.load(TK + s_off, mask=mt), tl.load(HK + s_off, mask=mh))
-                    xv = tl.where(mt, tl.load(TV + s_off, mask=mt), tl.load(HV + s_off, mask=mh))
+                    xk = tl.where(mt, tl.load(TK + s_off, mask=mt),
+                                  tl.load(HK + s_off, mask=mh, cache_modifier=LCM, eviction_policy=LEV))
+                    xv = tl.where(mt, tl.load(TV + s_off, mask=mt),
+                                  tl.load(HV + s_off, mask=mh, cache_modifier=LCM, eviction_policy=LEV))
                 else:
-                    xk = tl.load(HK + s_off, mask=m)
-                    xv = tl.load(HV + s_off, mask=m)
-                tl.store(DK + d_off, xk, mask=m)
-                tl.store(DV + d_off, xv, mask=m)
+                    xk = tl.load(HK + s_off, mask=m, cache_modifier=LCM, eviction_policy=LEV)
+                    xv = tl.load(HV + s_off, mask=m, cache_modifier=LCM, eviction_policy=LEV)
+                tl.store(DK + d_off, xk, mask=m, cache_modifier=SCM)
+                tl.store(DV + d_off, xv, mask=m, cache_modifier=SCM)
 
     @triton.jit
     def _uva_scatter_kernel(SRC_K, SRC_V, HK, HV, TK, TV, DST_ROWS, n, programs, first_row, W: tl.constexpr,
@@ -247,7 +261,7 @@ def _host_ptrs(host_k, host_v, device_side):
 
 
 def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, copies=GATHER_COPIES,
-                   tier: PoolTier | None = None):
+                   tier: PoolTier | None = None, hint: str = ""):
     K = _kernels()
     _, BS, H, D = host_k.shape
     if host_k.stride() != host_v.stride() or dev_k.stride() != dev_v.stride():
@@ -261,13 +275,15 @@ def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, c
     rows = max(1, min(_next_pow2(BS), 8192 // max(D_PAD * C, 1)))  # <= 8K elements per tile
     groups = -(-n // C)
     grid = groups if programs <= 0 else min(groups, programs)
+    lcm, lev, scm = GATHER_HINTS[hint]
     hk, hv = _host_ptrs(host_k, host_v, dev_k)
     tk, tv = (tier.k, tier.v) if tier is not None else (hk, hv)
     with on_device(dev_k):
         K.gather[(grid,)](hk, hv, tk, tv, dev_k, dev_v, src, dst, heads, n, groups, grid, tier.first if tier else 0,
                           host_k.stride(0), host_k.stride(1), host_k.stride(2),
                           dev_k.stride(0), dev_k.stride(1), dev_k.stride(2), BS,
-                          D=D, D_PAD=D_PAD, ROWS=rows, C=C, TIER=tier is not None, num_warps=4 if C == 1 else 8)
+                          D=D, D_PAD=D_PAD, ROWS=rows, C=C, TIER=tier is not None, LCM=lcm, LEV=lev, SCM=scm,
+                          num_warps=4 if C == 1 else 8)
 
 
 # --------------------------------------------------------------------------------------
@@ -350,7 +366,7 @@ def _gather_parts(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads, t
 def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                dev_v: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
                heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_CTAS,
-               copies: int = GATHER_COPIES, tier: PoolTier | None = None) -> str:
+               copies: int = GATHER_COPIES, tier: PoolTier | None = None, hint: str = "") -> str:
     """Copy the listed (block, head) slices host -> device in one kernel launch (a tiered pool too, with Triton).
 
     ``backend``: ``"auto"`` (Triton, else the CUDA C kernel; the reference when
@@ -358,8 +374,11 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
     live on the host or the device (int32/int64). ``programs``: CTAs in the Triton kernel's grid, each
     looping over its share of the copies (``<= 0``: one CTA per copy, the CUDA C kernel's layout); ``copies``:
     how many copies each of them has in flight at once (a power of two; 1 with one CTA per copy). The CUDA C
-    kernel and the reference take a tiered pool one part at a time. Returns the backend used.
+    kernel and the reference take a tiered pool one part at a time. ``hint``: a key of :data:`GATHER_HINTS`
+    (the Triton kernel's cache hints; the other backends ignore it). Returns the backend used.
     """
+    if hint not in GATHER_HINTS:
+        raise ValueError(f"unknown gather hint {hint!r}; one of {sorted(GATHER_HINTS)}")
     if tier is not None:
         _check(tier.k, tier.v, dev_k, dev_v, src_blocks, dst_blocks, heads)
         one_pass = (backend in ("auto", "triton") and dev_k.is_cuda and _triton_available()
@@ -383,7 +402,7 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
             if be == "triton":
                 if backend == "auto" and not _triton_available():
                     continue
-                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n, programs, copies, tier)
+                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n, programs, copies, tier, hint)
             elif tier is not None:
                 return _gather_parts(host_k, host_v, dev_k, dev_v, src, dst, hd, tier, "cuda")
             else:

@@ -403,7 +403,8 @@ class SparseAttention:
     def graph_key(self) -> tuple:
         """Python values a captured step bakes in besides the batch shape."""
         return (self.step_cap, self.cfg.disable_transfers, self.cfg.fetch_on_demand_cap, self.cfg.sink_blocks,
-                self.cfg.gather_ctas, self.cfg.gather_copies, self.cfg.select_kernel, self.cfg.pipeline_priority)
+                self.cfg.gather_ctas, self.cfg.gather_copies, self.cfg.gather_hint, self.cfg.select_kernel,
+                self.cfg.pipeline_priority)
 
     @property
     def streams(self) -> list[torch.cuda.Stream]:
@@ -762,7 +763,7 @@ class SparseAttention:
             if not self.cfg.disable_transfers:
                 uva_gather(self.host_cache.k[layer], self.host_cache.v[layer], self.dev_cache.k[layer],
                            self.dev_cache.v[layer], src, dst, head, programs=self.cfg.gather_ctas,
-                           copies=self.cfg.gather_copies,
+                           copies=self.cfg.gather_copies, hint=self.cfg.gather_hint,
                            tier=self._tier(layer))
             if stream is not None:
                 self.xfer_done[layer] = stream.record_event()
