@@ -55,3 +55,55 @@ def test_mismatched_steps_are_not_attributed_and_windows_parse():
             parse_window(bad)
     with pytest.raises(ValueError, match="overlap"):
         parse_window("20:40,50:5")
+
+
+def _timeline_module():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("trace_timeline",
+                                                  Path(__file__).parents[1] / "bench" / "trace_timeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trace_timeline_finds_each_layers_prefetch_and_the_idle_link(tmp_path):
+    """bench/trace_timeline.py on a synthetic trace of two 3-layer steps: the n-th attention / score / select /
+    gather launch is layer n's; link idle is the gap since the previous gather (none when they queue); a gap on
+    the main stream longer than --gap-us splits steps; a warm-up attention on another stream does not make that
+    stream the main one."""
+    import gzip
+    import json
+
+    tt = _timeline_module()
+    ev = []
+
+    def k(name, stream, ts, dur):
+        ev.append({"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}})
+
+    for step, t0 in enumerate((0.0, 5000.0)):
+        for layer in range(3):
+            a = t0 + layer * 1000
+            k(tt.ATTENTION, 7, a, 100)
+            k("gemm", 7, a + 100, 850)  # the rest of the layer on the main stream
+            k(tt.SCORE, 8, a + 100, 100)
+            k(tt.SELECT, 9, a + 200, 50)
+            # step 0: each gather 600 us, starts at its selection's end (the link waits on the step);
+            # step 1: 1,500 us each, back to back (the link sets the pace)
+            start = a + 250 if step == 0 else t0 + 250 + layer * 1500
+            k(tt.GATHER, 10, start, 600 if step == 0 else 1500)
+    k(tt.ATTENTION, 11, 9000, 10)  # a stray launch on another stream
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev + [{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]}, f)
+    t = tt.timeline(tt.load_kernels(str(path)), gap_us=300)
+    rows = t["layers"]
+    assert len(rows) == 7 and [r["layer"] for r in rows[:3]] == [0, 1, 2]
+    assert abs(rows[1]["gather_start"] - 1.25) < 1e-9 and abs(rows[1]["select_end"] - 1.25) < 1e-9
+    assert abs(rows[1]["link_idle_ms"] - 0.4) < 1e-9  # 1,250 - 850 us
+    assert abs(rows[4]["link_idle_ms"]) < 1e-9 and abs(rows[4]["gather_ms"] - 1.5) < 1e-9  # back to back
+    assert [s["layers"] for s in t["steps"]] == [3, 3]
+    assert abs(t["steps"][0]["main_ms_per_layer"] - 2.95 / 3) < 1e-9 and t["steps"][1]["gathers"] == 3
+    assert tt.main([str(path)]) == 0
+    assert tt.main([str(tmp_path / "missing.json.gz")]) == 2
