@@ -17,22 +17,12 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
 elapsed() { echo $(( $(date +%s) - T0 )); }
-{
-  date -u; git log -1 --format=%H 2>/dev/null
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  free -g | head -2; nproc
-} >"$OUT/env.log" 2>&1
-
-timeout --kill-after=5 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
-  ${TESTS:-tests/test_cuda_graphs.py tests/test_gpu_engine.py} >"$OUT/gpu-tests.log" 2>&1
-echo "pytest exit $? at $(elapsed)s" | tee -a "$OUT/gpu-tests.log"
-tail -15 "$OUT/gpu-tests.log"
-
+. bench/h200_common.sh
+h200_env "$OUT/env.log"
+# shellcheck disable=SC2086
+h200_tests "$OUT" 15 ${TESTS:-tests/test_cuda_graphs.py tests/test_gpu_engine.py}
 if [ -n "${KERNELS:-}" ]; then
-  timeout --kill-after=5 150 python3 bench/bench_kernels.py --quick --only "$KERNELS" --out "$OUT/kernels.json" \
-    >"$OUT/kernels.log" 2>&1
-  echo "kernels exit $? at $(elapsed)s" | tee -a "$OUT/kernels.log"
+  h200_kernels "$OUT" "$KERNELS" 150
   tail -30 "$OUT/kernels.log"
 fi
 

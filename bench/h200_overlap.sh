@@ -21,22 +21,12 @@ T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
 CONTEXT=${CONTEXT:-32768}
 elapsed() { echo $(( $(date +%s) - T0 )); }
-{
-  date -u; git log -1 --format=%H 2>/dev/null
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} >"$R/env.log" 2>&1
-
-if [ -n "${TESTS:-}" ]; then
-  timeout --kill-after=5 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider $TESTS >"$R/gpu-tests.log" 2>&1
-  echo "pytest exit $? at $(elapsed)s" | tee -a "$R/gpu-tests.log"
-  tail -5 "$R/gpu-tests.log"
-fi
-
+. bench/h200_common.sh
+h200_env "$R/env.log"
+# shellcheck disable=SC2086
+[ -z "${TESTS:-}" ] || h200_tests "$R" 5 $TESTS
 if [ -n "${KERNELS:-}" ]; then
-  timeout --kill-after=5 200 python3 bench/bench_kernels.py --quick --only "$KERNELS" --out "$R/kernels.json" \
-    >"$R/kernels.log" 2>&1
-  echo "kernels exit $? at $(elapsed)s" | tee -a "$R/kernels.log"
+  h200_kernels "$R" "$KERNELS" 200
   grep -A40 "Gather beside" "$R/kernels.log" | tee "$OUT/kernels.txt"
 fi
 

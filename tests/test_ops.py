@@ -542,8 +542,18 @@ def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tier
     """The Triton gather with several copies in flight per CTA (group sizes that do not divide the copy count)
     and a tiered pool read in the same launch (each copy from its own part) equals the reference, which takes the
     parts one at a time; 20% unused entries (src = -1) copy nothing. Interpreted, everything is on the CPU."""
-    gen = _gen(programs * 10 + copies + tiered)
-    BS, Hkv, D, n_host, n_tier, n = 8, 3, 48, 23, 17, 101
+    n_host = 23
+    src = _check_triton_gather(_gen(programs * 10 + copies + tiered), device, n_host, 17, 101, programs, copies,
+                               tiered)
+    if tiered:  # the test reads both parts
+        assert bool(((src >= 0) & (src < n_host)).any()) and bool((src >= n_host).any())
+
+
+def _check_triton_gather(gen, device, n_host, n_tier, n, programs, copies, tiered, hint=""):
+    """The Triton gather of ``n`` random copies (20% unused) from a pool of ``n_host`` blocks (plus a tier of
+    ``n_tier`` read in the same launch when ``tiered``) equals the reference, and an unknown hint is refused;
+    returns the source ids."""
+    BS, Hkv, D = 8, 3, 48
     hk, hv, dk, dv, src, dst, heads = _gather_inputs(gen, n_host + n_tier, 57, BS, Hkv, D, n)
     src = torch.where(torch.rand(n, generator=gen) < 0.2, torch.full_like(src, -1), src)
     tier = None
@@ -556,12 +566,14 @@ def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tier
     want_k, want_v = dk.cpu().clone(), dv.cpu().clone()
     ug.uva_gather_ref(hk.cpu(), hv.cpu(), want_k, want_v, src, dst, heads,
                       tier=None if tier is None else ug.PoolTier(tier.k.cpu(), tier.v.cpu(), n_host))
-    ug._gather_triton(hk, hv, dk, dv, src.to(device), dst.to(device), heads.to(device), n, programs, copies, tier)
+    ug._gather_triton(hk, hv, dk, dv, src.to(device), dst.to(device), heads.to(device), n, programs, copies, tier,
+                      hint)
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(dk.cpu(), want_k) and torch.equal(dv.cpu(), want_v)
-    if tiered:  # the test reads both parts
-        assert bool(((src >= 0) & (src < n_host)).any()) and bool((src >= n_host).any())
+    with pytest.raises(ValueError, match="unknown gather hint 'bogus'"):
+        ug.uva_gather(hk, hv, dk, dv, src, dst, heads, hint="bogus")
+    return src
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -569,24 +581,7 @@ def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tier
 def test_uva_gather_cache_hints_copy_the_same(device, hint):
     """Every cache hint of the Triton gather (a measurement knob: bench_kernels.py --only interference) copies
     what the reference copies, tiered pool and unused entries included; an unknown hint is refused by name."""
-    gen = _gen(len(hint) + 5)
-    BS, Hkv, D, n_host, n_tier, n = 8, 3, 48, 19, 11, 67
-    hk, hv, dk, dv, src, dst, heads = _gather_inputs(gen, n_host + n_tier, 41, BS, Hkv, D, n)
-    src = torch.where(torch.rand(n, generator=gen) < 0.2, torch.full_like(src, -1), src)
-    tier = ug.PoolTier(hk[n_host:].clone().to(device), hv[n_host:].clone().to(device), n_host)
-    hk, hv = hk[:n_host].contiguous(), hv[:n_host].contiguous()
-    if device == "cuda":
-        hk, hv = hk.pin_memory(), hv.pin_memory()
-    dk, dv = dk.to(device), dv.to(device)
-    want_k, want_v = dk.cpu().clone(), dv.cpu().clone()
-    ug.uva_gather_ref(hk.cpu(), hv.cpu(), want_k, want_v, src, dst, heads,
-                      tier=ug.PoolTier(tier.k.cpu(), tier.v.cpu(), n_host))
-    ug._gather_triton(hk, hv, dk, dv, src.to(device), dst.to(device), heads.to(device), n, 5, 2, tier, hint)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(dk.cpu(), want_k) and torch.equal(dv.cpu(), want_v)
-    with pytest.raises(ValueError, match="unknown gather hint 'bogus'"):
-        ug.uva_gather(hk, hv, dk, dv, src, dst, heads, hint="bogus")
+    _check_triton_gather(_gen(len(hint) + 5), device, 19, 11, 67, 5, 2, True, hint)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
