@@ -545,8 +545,9 @@ INTERFERENCE_GATHERS = (("host", 8, 1, ""), ("host", 12, 1, ""), ("host", 16, 1,
 def bench_interference(res, quick):
     """What a UVA gather costs the HBM-bound kernels it runs beside (issue #4: at 32K x 64 the decode step's
     sparse attention ran 1.4x slower while the prefetch streamed). Foregrounds on the current stream, each ~12 ms:
-    the sparse decode attention at the benchmark shape, repeated, and decode-sized GEMMs; a 256 MiB gather of
-    4 KiB (block, head) copies on a side stream, per :data:`INTERFERENCE_GATHERS` variant. Per pair: the
+    the sparse decode attention at the benchmark shape (its default launch config, and with 2 / 4 splits or 2
+    stages: more, smaller waves of CTAs), repeated, and decode-sized GEMMs; a 256 MiB gather of 4 KiB (block,
+    head) copies on a side stream, per :data:`INTERFERENCE_GATHERS` variant. Per pair: the
     foreground's slowdown, the gather's rate beside it, and the foreground milliseconds lost per GB gathered
     (the cost a decode step pays per GB it prefetches, if the gather overlaps it completely)."""
     dt, Hkv, D, BS = torch.bfloat16, 8, 128, 16
@@ -559,17 +560,25 @@ def bench_interference(res, quick):
     out_attn = torch.empty_like(q)
     x = torch.randn(64, 4096, device="cuda", dtype=dt)
     w = torch.randn(4096, 14336, device="cuda", dtype=dt)
-    attn1 = lambda: sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, scale, ek, ev, out=out_attn,  # noqa: E731
-                                               backend="triton")
-    attn1()
-    torch.cuda.synchronize()
-    per_call = time_ms(attn1, warmup=5, reps=20)[0]
-    reps_attn = max(10, int(12.0 / per_call))
-    fgs = {"sparse_attention": lambda: [attn1() for _ in range(reps_attn)],
-           "gemm": lambda: [torch.mm(x, w) for _ in range(360)]}
+    default = sa.default_config(ATTN_SHAPE["B"], Hkv, ATTN_SHAPE["N"], ATTN_SHAPE["block_size"], D,
+                                torch.cuda.get_device_properties(0).multi_processor_count)
+    fgs = {}
+    # the attention at its default launch config, and at configs with more, smaller waves of CTAs: if a gather's
+    # CTAs cost the attention a whole extra wave (SMs that can host one CTA fewer), those should lose less
+    for name, cfg in (("sparse_attention", None), ("sparse_attention_splits2", dict(default, n_splits=2)),
+                      ("sparse_attention_splits4", dict(default, n_splits=4)),
+                      ("sparse_attention_stages2", dict(default, num_stages=2))):
+        def attn1(cfg=cfg):
+            sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, scale, ek, ev, out=out_attn, backend="triton",
+                                       config=cfg)
+        attn1()
+        torch.cuda.synchronize()
+        reps_attn = max(10, int(12.0 / time_ms(attn1, warmup=5, reps=20)[0]))
+        fgs[name] = lambda attn1=attn1, calls=reps_attn: [attn1() for _ in range(calls)]
+    fgs["gemm"] = lambda: [torch.mm(x, w) for _ in range(360)]
     side = torch.cuda.Stream()
     reps = 3 if quick else 5
-    out = {"gather_bytes": gbytes, "copies": n, "attention_calls": reps_attn, "foregrounds": {}}
+    out = {"gather_bytes": gbytes, "copies": n, "attention_default_config": default, "foregrounds": {}}
     for fname, fg in fgs.items():
         fg_alone = side_by_side(fg, None, side, reps)[0]
         rows = {"alone_ms": fg_alone}
