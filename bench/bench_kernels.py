@@ -562,7 +562,7 @@ def bench_interference(res, quick):
     w = torch.randn(4096, 14336, device="cuda", dtype=dt)
     default = sa.default_config(ATTN_SHAPE["B"], Hkv, ATTN_SHAPE["N"], ATTN_SHAPE["block_size"], D,
                                 torch.cuda.get_device_properties(0).multi_processor_count)
-    fgs = {}
+    fgs, calls = {}, {}
     # the attention at its default launch config, and at configs with more, smaller waves of CTAs: if a gather's
     # CTAs cost the attention a whole extra wave (SMs that can host one CTA fewer), those should lose less
     for name, cfg in (("sparse_attention", None), ("sparse_attention_splits2", dict(default, n_splits=2)),
@@ -573,15 +573,15 @@ def bench_interference(res, quick):
                                        config=cfg)
         attn1()
         torch.cuda.synchronize()
-        reps_attn = max(10, int(12.0 / time_ms(attn1, warmup=5, reps=20)[0]))
-        fgs[name] = lambda attn1=attn1, calls=reps_attn: [attn1() for _ in range(calls)]
-    fgs["gemm"] = lambda: [torch.mm(x, w) for _ in range(360)]
+        calls[name] = max(10, int(12.0 / time_ms(attn1, warmup=5, reps=20)[0]))
+        fgs[name] = lambda attn1=attn1, k=calls[name]: [attn1() for _ in range(k)]
+    fgs["gemm"], calls["gemm"] = (lambda: [torch.mm(x, w) for _ in range(360)]), 360
     side = torch.cuda.Stream()
     reps = 3 if quick else 5
     out = {"gather_bytes": gbytes, "copies": n, "attention_default_config": default, "foregrounds": {}}
     for fname, fg in fgs.items():
         fg_alone = side_by_side(fg, None, side, reps)[0]
-        rows = {"alone_ms": fg_alone}
+        rows = {"alone_ms": fg_alone, "calls": calls[fname], "alone_us_per_call": fg_alone * 1e3 / calls[fname]}
         for source, progs, copies, hint in INTERFERENCE_GATHERS:
             pool = (hk, hv) if source == "host" else dev_pool
             bg = (lambda pool=pool, progs=progs, copies=copies, hint=hint: ug.uva_gather(
@@ -805,9 +805,10 @@ def print_table(res):
         print(f"\nGather beside HBM-bound kernels ({o['gather_bytes'] / 2**20:.0f} MiB; variant = source/CTAs x "
               f"copies/hint)")
         for fname, rows in o["foregrounds"].items():
-            print(f"  {fname}: alone {rows['alone_ms']:.2f} ms")
+            print(f"  {fname}: alone {rows['alone_ms']:.2f} ms ({rows['calls']} calls, "
+                  f"{rows['alone_us_per_call']:.0f} us each)")
             for key, x in rows.items():
-                if key == "alone_ms":
+                if not isinstance(x, dict):
                     continue
                 print(f"    {key:24s} " + (f"gather {x['gather_alone_GBps']:5.1f} GB/s alone, "
                                           f"{x['gather_beside_GBps']:5.1f} beside; foreground x{x['slowdown']:.2f}, "
