@@ -801,21 +801,25 @@ def print_table(res):
         print(f"\nsummary update (decode, 64 tokens): kernel {v['kernel_ms'] * 1e3:.1f} us eager, "
               f"{v['kernel_graph_ms'] * 1e3:.1f} us graph; ref {v['ref_ms'] * 1e3:.1f} us eager")
     if "gather_interference" in res:
-        o = res["gather_interference"]
-        print(f"\nGather beside HBM-bound kernels ({o['gather_bytes'] / 2**20:.0f} MiB; variant = source/CTAs x "
-              f"copies/hint)")
-        for fname, rows in o["foregrounds"].items():
-            print(f"  {fname}: alone {rows['alone_ms']:.2f} ms ({rows['calls']} calls, "
-                  f"{rows['alone_us_per_call']:.0f} us each)")
-            for key, x in rows.items():
-                if not isinstance(x, dict):
-                    continue
-                print(f"    {key:24s} " + (f"gather {x['gather_alone_GBps']:5.1f} GB/s alone, "
-                                          f"{x['gather_beside_GBps']:5.1f} beside; foreground x{x['slowdown']:.2f}, "
-                                          f"{x['lost_ms_per_GB']:5.2f} ms lost per GB" if "slowdown" in x
-                                          else x["error"][:80]))
+        print("\n" + "\n".join(interference_lines(res["gather_interference"])))
     for k, v in res["errors"].items():
         print(f"\nERROR in {k}:\n{v[-800:]}")
+
+
+def interference_lines(o):
+    """The text table of ``bench_interference``'s result ``o``, line by line."""
+    yield (f"Gather beside HBM-bound kernels ({o['gather_bytes'] / 2**20:.0f} MiB; variant = source/CTAs x "
+           f"copies/hint)")
+    for fname, rows in o["foregrounds"].items():
+        per_call = (f" ({rows['calls']} calls, {rows['alone_us_per_call']:.0f} us each)" if "calls" in rows
+                    else "")
+        yield f"  {fname}: alone {rows['alone_ms']:.2f} ms{per_call}"
+        for key, x in rows.items():
+            if isinstance(x, dict):
+                yield f"    {key:24s} " + (
+                    f"gather {x['gather_alone_GBps']:5.1f} GB/s alone, {x['gather_beside_GBps']:5.1f} beside; "
+                    f"foreground x{x['slowdown']:.2f}, {x['lost_ms_per_GB']:5.2f} ms lost per GB"
+                    if "slowdown" in x else x["error"][:80])
 
 
 if __name__ == "__main__":

@@ -107,3 +107,23 @@ def test_trace_timeline_finds_each_layers_prefetch_and_the_idle_link(tmp_path):
     assert abs(t["steps"][0]["main_ms_per_layer"] - 2.95 / 3) < 1e-9 and t["steps"][1]["gathers"] == 3
     assert tt.main([str(path)]) == 0
     assert tt.main([str(tmp_path / "missing.json.gz")]) == 2
+
+
+def test_interference_table_reads_the_committed_runs():
+    """bench_kernels.py's interference table prints the committed H200 runs (run 3 has no call counts, run 4's
+    rows are per attention config): one line per foreground and per gather variant, each with its slowdown."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("bench_kernels", root / "bench" / "bench_kernels.py")
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+    for run, foregrounds in (("run3-hints-e77f462", 2), ("run4-attn-configs-39b696a", 5)):
+        res = json.loads((root / "bench" / "overlap-h200" / run / "kernels.json").read_text())
+        lines = list(bk.interference_lines(res["gather_interference"]))
+        assert sum(" alone " in x and "ms" in x and "gather" not in x for x in lines) == foregrounds
+        rows = [x for x in lines if "ms lost per GB" in x]
+        assert len(rows) == foregrounds * len(bk.INTERFERENCE_GATHERS)
+        assert all(" x1." in x for x in rows)
