@@ -19,6 +19,16 @@ each) while leaving the other SMs to the step's kernels (bench/NOTES.md, "Gather
 GATHER_COPIES = 1
 """Default copies each of the gather's CTAs has in flight. With 32 CTAs, 4 were 8-10% slower than 1 in decode
 steps with every plan entry used (bench/NOTES.md, "The gather in one launch"); 16 CTAs x 4 matched 32 x 1."""
+GATHER_HINTS = {
+    "": ("", "", ""),
+    "cg": (".cg", "", ""),  # loads cached in L2 only, not L1
+    "cv": (".cv", "", ""),  # loads not cached: fetched again on every access
+    "stream": ("", "evict_first", ".cs"),  # loads first to leave L2, stores streamed (evict-first)
+}
+"""Cache hints of the Triton UVA gather's host loads and device stores, by name: (load cache modifier, load
+eviction policy, store cache modifier). "" leaves both to the hardware's defaults; the others exist to measure
+whether the host reads' path through L1 / L2 is what slows the HBM-bound kernels beside the gather
+(``bench/bench_kernels.py --only interference``; none changed it on an H200, bench/NOTES.md)."""
 
 
 class Mode(str, Enum):
@@ -227,9 +237,9 @@ class SparseConfig:
     microseconds, so with one at a time a small grid cannot keep the link busy."""
 
     gather_hint: str = ""
-    """Cache hints of that gather's host loads and device stores, a key of
-    ``oasiskv_runtime.ops.uva_gather.GATHER_HINTS`` ("": the hardware's defaults; "cg", "cv", "stream"). For A/B
-    runs of what the prefetch costs the step's HBM-bound kernels (bench/NOTES.md)."""
+    """Cache hints of that gather's host loads and device stores, a key of :data:`GATHER_HINTS` ("": the
+    hardware's defaults; "cg", "cv", "stream"). For A/B runs of what the prefetch costs the step's HBM-bound
+    kernels (bench/NOTES.md)."""
 
     copy_engine_prefill: bool = True
     """Host-pool modes on CUDA: a prefill chunk's KV goes to the pool, and its prefix comes back from it, by
@@ -275,8 +285,8 @@ class SparseConfig:
             raise ValueError(f"link_gbps must be >= 0 (0: the fixed fetch cap), got {self.link_gbps}")
         if self.pipeline_priority > 0:
             raise ValueError(f"pipeline_priority must be <= 0 (lower is higher), got {self.pipeline_priority}")
-        if self.gather_hint not in ("", "cg", "cv", "stream"):
-            raise ValueError(f"gather_hint must be '', 'cg', 'cv' or 'stream', got {self.gather_hint!r}")
+        if self.gather_hint not in GATHER_HINTS:
+            raise ValueError(f"gather_hint must be one of {sorted(GATHER_HINTS)}, got {self.gather_hint!r}")
         if self.gather_ctas < 0:
             raise ValueError(f"gather_ctas must be >= 0 (0: one CTA per copy), got {self.gather_ctas}")
         object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))

@@ -52,7 +52,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from oasiskv_runtime.config import GATHER_COPIES, GATHER_CTAS
+from oasiskv_runtime.config import GATHER_COPIES, GATHER_CTAS, GATHER_HINTS
 from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 
 __all__ = ["PoolTier", "uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
@@ -75,18 +75,6 @@ class PoolTier(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
     first: int
-
-
-#: Cache hints of the Triton gather's host loads and device stores, by name: (load cache modifier, load eviction
-#: policy, store cache modifier). "" leaves both to the hardware's defaults; the others exist to measure whether
-#: the host reads' path through L1 / L2 is what slows the HBM-bound kernels beside the gather
-#: (``bench/bench_kernels.py --only interference``).
-GATHER_HINTS = {
-    "": ("", "", ""),
-    "cg": (".cg", "", ""),  # loads cached in L2 only, not L1
-    "cv": (".cv", "", ""),  # loads not cached: fetched again on every access
-    "stream": ("", "evict_first", ".cs"),  # loads first to leave L2, stores streamed (evict-first)
-}
 
 
 def split_ids(ids: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,8 +362,9 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
     live on the host or the device (int32/int64). ``programs``: CTAs in the Triton kernel's grid, each
     looping over its share of the copies (``<= 0``: one CTA per copy, the CUDA C kernel's layout); ``copies``:
     how many copies each of them has in flight at once (a power of two; 1 with one CTA per copy). The CUDA C
-    kernel and the reference take a tiered pool one part at a time. ``hint``: a key of :data:`GATHER_HINTS`
-    (the Triton kernel's cache hints; the other backends ignore it). Returns the backend used.
+    kernel and the reference take a tiered pool one part at a time. ``hint``: a key of
+    ``oasiskv_runtime.config.GATHER_HINTS`` (the Triton kernel's cache hints; the other backends ignore it).
+    Returns the backend used.
     """
     if hint not in GATHER_HINTS:
         raise ValueError(f"unknown gather hint {hint!r}; one of {sorted(GATHER_HINTS)}")
