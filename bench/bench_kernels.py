@@ -499,6 +499,14 @@ def pinned_pool(gib, BS=16, Hkv=8, D=128, dt=torch.bfloat16):
     return torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory(), torch.randn(nbh, BS, Hkv, D, dtype=dt).pin_memory()
 
 
+def decode_gemms(calls):
+    """A foreground of ``calls`` decode-sized GEMMs (x [64, 4096] @ W [4096, 14336] bf16: weight reads, like a
+    decode step's projections)."""
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    return lambda: [torch.mm(x, w) for _ in range(calls)]
+
+
 def bench_overlap(res, quick):
     """Does a prefetch hide behind the step's kernels? A foreground of decode-sized GEMMs (weight reads, like a
     decode step's projections: x [64, 4096] @ W [4096, 14336] bf16, repeated) on the current stream, and a
@@ -509,14 +517,9 @@ def bench_overlap(res, quick):
     hk, hv = pinned_pool(2)  # 2 GiB each, random pages
     n = (128 << 20) // (BS * D * 2)  # 128 MiB of K + 128 MiB of V
     dk, dv, src, dst, heads = gather_plan(n, hk.shape[0], BS, Hkv, D, dt)
-    x = torch.randn(64, 4096, device="cuda", dtype=dt)
-    w = torch.randn(4096, 14336, device="cuda", dtype=dt)
+    fg = decode_gemms(160)
     side = torch.cuda.Stream()
     reps = 3 if quick else 5
-
-    def fg():
-        for _ in range(160):
-            torch.mm(x, w)
 
     def bg(progs):
         return lambda: ug.uva_gather(hk, hv, dk, dv, src, dst, heads, backend="triton", programs=progs)
@@ -558,8 +561,6 @@ def bench_interference(res, quick):
     gbytes = 2 * n * BS * D * 2
     q, kc, vc, bids, lb, ll, scale, ek, ev, kv_bytes = attention_inputs()
     out_attn = torch.empty_like(q)
-    x = torch.randn(64, 4096, device="cuda", dtype=dt)
-    w = torch.randn(4096, 14336, device="cuda", dtype=dt)
     default = sa.default_config(ATTN_SHAPE["B"], Hkv, ATTN_SHAPE["N"], ATTN_SHAPE["block_size"], D,
                                 torch.cuda.get_device_properties(0).multi_processor_count)
     fgs, calls = {}, {}
@@ -575,28 +576,33 @@ def bench_interference(res, quick):
         torch.cuda.synchronize()
         calls[name] = max(10, int(12.0 / time_ms(attn1, warmup=5, reps=20)[0]))
         fgs[name] = lambda attn1=attn1, k=calls[name]: [attn1() for _ in range(k)]
-    fgs["gemm"], calls["gemm"] = (lambda: [torch.mm(x, w) for _ in range(360)]), 360
+    fgs["gemm"], calls["gemm"] = decode_gemms(360), 360
     side = torch.cuda.Stream()
     reps = 3 if quick else 5
+    # each gather alone, once (it does not depend on the foreground): (its callable, its ms) or the error
+    gathers = {}
+    for source, progs, copies, hint in INTERFERENCE_GATHERS:
+        pool = (hk, hv) if source == "host" else dev_pool
+        bg = (lambda pool=pool, progs=progs, copies=copies, hint=hint: ug.uva_gather(
+            pool[0], pool[1], dk, dv, src, dst, heads, backend="triton", programs=progs, copies=copies, hint=hint))
+        key = f"{source}/{progs}x{copies}/{hint or 'default'}"
+        try:
+            gathers[key] = bg, side_by_side(None, bg, side, reps)[1]
+        except Exception as e:  # a variant that does not compile: record, go on
+            gathers[key] = repr(e)[:200]
     out = {"gather_bytes": gbytes, "copies": n, "attention_default_config": default, "foregrounds": {}}
     for fname, fg in fgs.items():
         fg_alone = side_by_side(fg, None, side, reps)[0]
         rows = {"alone_ms": fg_alone, "calls": calls[fname], "alone_us_per_call": fg_alone * 1e3 / calls[fname]}
-        for source, progs, copies, hint in INTERFERENCE_GATHERS:
-            pool = (hk, hv) if source == "host" else dev_pool
-            bg = (lambda pool=pool, progs=progs, copies=copies, hint=hint: ug.uva_gather(
-                pool[0], pool[1], dk, dv, src, dst, heads, backend="triton", programs=progs, copies=copies,
-                hint=hint))
-            key = f"{source}/{progs}x{copies}/{hint or 'default'}"
-            try:
-                bg_alone = side_by_side(None, bg, side, reps)[1]
-                f, b, _ = side_by_side(fg, bg, side, reps)
-                overlapped = gbytes * min(1.0, f / b)  # bytes moved while the foreground ran
-                rows[key] = dict(gather_alone_GBps=gbytes / bg_alone / 1e6, gather_beside_GBps=gbytes / b / 1e6,
-                                 foreground_ms=f, slowdown=f / fg_alone,
-                                 lost_ms_per_GB=(f - fg_alone) / (overlapped / 1e9))
-            except Exception as e:  # a variant that does not compile: record, go on
-                rows[key] = dict(error=repr(e)[:200])
+        for key, gather in gathers.items():
+            if isinstance(gather, str):
+                rows[key] = dict(error=gather)
+                continue
+            bg, bg_alone = gather
+            f, b, _ = side_by_side(fg, bg, side, reps)
+            overlapped = gbytes * min(1.0, f / b)  # bytes moved while the foreground ran
+            rows[key] = dict(gather_alone_GBps=gbytes / bg_alone / 1e6, gather_beside_GBps=gbytes / b / 1e6,
+                             foreground_ms=f, slowdown=f / fg_alone, lost_ms_per_GB=(f - fg_alone) / (overlapped / 1e9))
         out["foregrounds"][fname] = rows
     res["gather_interference"] = out
     del hk, hv, dev_pool
