@@ -23,7 +23,10 @@ import json
 import sys
 from collections import defaultdict
 
-ATTENTION, SCORE, SELECT, GATHER = "_sparse_attn_fwd", "_quest_score_kernel", "_select_plan_kernel", "_uva_gather_kernel"
+#: The kernels a layer of the sparse decode step is told by: attention (main stream), score (prediction stream),
+#: selection and the UVA gather (transfer stream).
+ATTENTION, SCORE = "_sparse_attn_fwd", "_quest_score_kernel"
+SELECT, GATHER = "_select_plan_kernel", "_uva_gather_kernel"
 
 
 def load_kernels(path: str) -> list[dict]:
