@@ -55,11 +55,11 @@ def place_requests(eng: LLMEngine, batch: int, ctx: int, gen: torch.Generator) -
         seq.num_computed_tokens = ctx - 1
         seq.status = SequenceStatus.RUNNING
         rb = RequestBlocks()
-        need_dev = (be.k_slots + 1 if mode.uses_host_pool else nb) + (cdiv(nb, bs) if mode.is_sparse else 0)
+        need_dev = (be.head_map.k_slots + 1 if mode.uses_host_pool else nb) + (cdiv(nb, bs) if mode.is_sparse else 0)
         if need_dev > kv.device_pool.num_free:
             raise MemoryError(f"{batch} x {ctx} tokens do not fit the device KV budget in mode {mode.value}")
         if mode.uses_host_pool:
-            rb.ws_blocks = kv.device_pool.allocate(be.k_slots + 1)
+            rb.ws_blocks = kv.device_pool.allocate(be.head_map.k_slots + 1)
             start = int(torch.randint(0, max(1, kv.host_pool.num_blocks - nb), (1,), generator=gen))
             rb.host_blocks = [(start + j) % kv.host_pool.num_blocks for j in range(nb)]  # aliased
         else:
@@ -70,13 +70,13 @@ def place_requests(eng: LLMEngine, batch: int, ctx: int, gen: torch.Generator) -
         eng.scheduler.running.append(seq)
         seqs.append(seq)
         if mode.is_sparse:
-            row = be._row(seq.seq_id)
-            be.ready.add(seq.seq_id)
+            row = be.head_map.row(seq.seq_id)
+            be.head_map.ready.add(seq.seq_id)
             if mode.uses_host_pool:
                 full = (ctx - 1) // bs
                 for layer in range(eng.model_config.num_layers):
-                    perm = torch.randperm(full, generator=gen)[: be.k_slots]
-                    be.slot_map[row, layer, :, : perm.numel()] = perm.to(be.slot_map.device)
+                    perm = torch.randperm(full, generator=gen)[: be.head_map.k_slots]
+                    be.head_map.slot_map[row, layer, :, : perm.numel()] = perm.to(be.head_map.slot_map.device)
     if mode.is_sparse:  # random summaries: predictions change from step to step
         ids = torch.tensor(sorted({b for s in seqs for b in kv.requests[s.seq_id].summary_blocks}), device="cuda")
         for layer in range(eng.model_config.num_layers):
@@ -170,13 +170,13 @@ def _switch(x: str) -> bool:
     return bool(int(x))
 
 
-#: A/B engine settings of the gathering modes: (option, SparseConfig field, type of its values, help).
+#: A/B engine settings of the gathering modes: (option, engine option, type of its values, help).
 VARIANT_OPTIONS = (
     ("--gather-ctas", "gather_ctas", int, "UVA gather grids (0: one CTA per copy), e.g. 32,16"),
     ("--gather-copies", "gather_copies", int, "copies in flight per CTA of the UVA gather, e.g. 1,4"),
     ("--select-kernel", "select_kernel", _switch,
      "the fused selection + plan kernel (1) against its PyTorch composition (0), e.g. 1,0"),
-    ("--gather-hint", "gather_hint", str, "cache hints of the UVA gather (see SparseConfig.gather_hint), e.g. "
+    ("--gather-hint", "gather_hint", str, "cache hints of the UVA gather (see KernelConfig.gather_hint), e.g. "
      "',stream,cv' (an empty item: none)"),
     ("--pipeline-priority", "pipeline_priority", int,
      "CUDA priorities of the prefetch pipeline's streams (lower is higher), e.g. 0,-1"),
@@ -243,10 +243,10 @@ def main() -> None:
                     eng.runner.graphs = graphs if setting == "auto" else None
                     point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting, **variant}
                     if variant:
-                        eng.backend.cfg = replace(eng.backend.cfg, **variant)
+                        eng.backend.configure(**variant)
                     if fused is not None:  # a graph key includes it: each setting is captured on its own
-                        sched_cfg = replace(eng.runner.config.scheduler, fused_norm_rope=fused)
-                        eng.runner.config = replace(eng.runner.config, scheduler=sched_cfg)
+                        kernels = replace(eng.runner.config.kernels, fused_norm_rope=fused)
+                        eng.runner.config = replace(eng.runner.config, kernels=kernels)
                         point["fused_norm_rope"] = fused
                     try:
                         place_requests(eng, batch, ctx, gen)
@@ -284,16 +284,16 @@ def main() -> None:
                     save()
         eng.runner.graphs = graphs
         if gathering and variants[0]:
-            eng.backend.cfg = replace(eng.backend.cfg, **variants[0])  # the fetch-ratio sweep's settings
+            eng.backend.configure(**variants[0])  # the fetch-ratio sweep's settings
         if mode == "oasiskv" and args.sweep:
             batch, ctx = (int(x) for x in args.sweep_shape.split(","))
             for ratio in [float(x) for x in args.sweep.split(",")]:
-                eng.backend.cfg = replace(eng.backend.cfg, fetch_ratio=ratio)
+                eng.backend.configure(fetch_ratio=ratio)
                 place_requests(eng, batch, ctx, gen)
                 eng.backend.reset_counters()
                 ms = time_steps(eng, args.warmup, args.steps)
                 st = eng.run_stats()
-                point = {"fetch_ratio": ratio, "cap": eng.backend.cfg.fetch_cap, "batch": batch, "context": ctx,
+                point = {"fetch_ratio": ratio, "cap": eng.backend.sparse.fetch_cap, "batch": batch, "context": ctx,
                          "step_ms": ms, "tokens_per_s": batch * 1e3 / ms,
                          "fetched_bytes_per_step": st["fetched_bytes_per_step"],
                          "fetch_gb_per_s": st["fetched_bytes_per_step"] / (ms / 1e3) / 1e9}
@@ -301,7 +301,7 @@ def main() -> None:
                 results["sweep"].append(point)
                 print(json.dumps(point), flush=True)
                 save()
-            eng.backend.cfg = replace(eng.backend.cfg, fetch_ratio=args.fetch_ratio)
+            eng.backend.configure(fetch_ratio=args.fetch_ratio)
         del eng, graphs  # the runner and its graphs refer to each other: collect the cycle before the next mode
         gc.collect()
         torch.cuda.empty_cache()

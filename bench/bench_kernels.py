@@ -354,7 +354,7 @@ def bench_prefill_f32(res, quick):
     train-draft's generation prefill and state capture: the reference arithmetic with an explicit mask
     (``attend_ref``, what capture used), SDPA with ``enable_gqa`` (runs the math kernel at float32) and
     ``attend_prefill`` (K/V heads repeated: the memory-efficient kernel). Error against float64, device time."""
-    from oasiskv_runtime.attention.ref import attend_prefill, attend_ref, causal_allowed
+    from oasiskv_runtime.ops.attend import attend_prefill, attend_ref, causal_allowed
     import torch.nn.functional as F
 
     Hq, Hkv, D, dev = 9, 3, 64, "cuda"

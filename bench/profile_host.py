@@ -21,8 +21,7 @@ from oasiskv_runtime import LLM, SamplingParams  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 
 #: Functions that are the model's compute or the attention math, left out of the host listing.
-COMPUTE = ("models/", "ops/", "_predict", "_sparse_decode", "_prefetch", "_select_and_fetch", "transfer/",
-           "selector_torch", "backend.py:545")
+COMPUTE = ("models/", "ops/", "core/predictor", "core/pipeline", "_sparse_decode", "transfer/")
 
 
 def main() -> None:

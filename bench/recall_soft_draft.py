@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from oasiskv_runtime.attention.ref import attend_ref
+from oasiskv_runtime.ops.attend import attend_ref
 from oasiskv_runtime.drafts.eagle3 import Eagle3Head
 from oasiskv_runtime.models.loader import load_model
 from oasiskv_runtime.ops.score_topk import quest_scores_ref

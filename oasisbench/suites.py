@@ -88,10 +88,7 @@ OPTION_SPECS: dict[str, _Validator] = {
                   "a number >= 0 (GB/s the prefetch may use per decode step; 0: the fixed fetch cap)"),
     "pipeline_priority": (lambda v: _is_int(v) and v <= 0,
                           "a non-positive integer (CUDA priority of the decode prefetch's streams; lower is higher)"),
-    "dense_layers": (
-        lambda v: (_is_int(v) and v >= 0) or (isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)),
-        "a non-negative integer or a list of layer indices",
-    ),
+    "dense_layers": (lambda v: _is_int(v) and v >= 0, "a non-negative integer (the first N layers attend densely)"),
     "measure_recall": (lambda v: isinstance(v, bool), "true or false"),
     "max_num_batched_tokens": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "random_weights": (lambda v: isinstance(v, bool), "true or false"),

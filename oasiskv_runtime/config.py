@@ -1,8 +1,11 @@
-"""One config tree for the runtime: model, cache, sparse, scheduler, engine.
+"""One config tree for the runtime: the engine (model, device, dtype, mode) and its sections: cache (memory
+budgets), sparse (the OasisKV algorithm a user chooses), kernels (A/B switches of how it runs), debug
+(measurement switches), scheduler (batching limits), pd (prefill-decode).
 
-Every field is validated here, in ``__post_init__``; the runtime reads no environment variables and no
-argv. ``EngineConfig.from_overrides`` is the single place where flat keyword overrides (``LLM(...,
-top_k_blocks=64)`` or CLI flags) are routed to the sub-config that owns them.
+Every option is declared once, here: default, valid values, a one-line meaning (``EngineConfig.options()``, which
+oasisbench validates its flags and suites with), and it is checked in ``__post_init__``. The runtime reads no
+environment variables and no argv. ``EngineConfig.from_overrides`` routes flat keyword overrides (``LLM(...,
+top_k_blocks=64)`` or CLI flags) to the section that owns each; ``to_dict`` / ``from_dict`` round-trip a config.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 GATHER_CTAS = 32
 """Default grid of the UVA gather kernel: 32 CTAs keep enough PCIe reads in flight for the link (two 4 KiB tiles
@@ -176,161 +179,208 @@ class ModelConfig:
         )
 
 
+# ---- engine options: one declaration each (default, check, one-line doc), validated here and nowhere else ------
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """What a user may set: its section, default, what a valid value is, and what it means (one line)."""
+
+    name: str
+    section: str
+    default: Any
+    doc: str
+    expect: str
+    """What a valid value is, in words (the error message's "must be ...")."""
+    check: Callable[[Any], bool] | None = None
+
+    def validate(self, value: Any) -> None:
+        if self.check is not None and not self.check(value):
+            raise ValueError(f"{self.name} must be {self.expect}, got {value!r}")
+
+
+def _opt(default: Any, doc: str, expect: str = "", check: Callable[[Any], bool] | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "expect": expect, "check": check})
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _pow2(v: Any) -> bool:
+    return _int(v) and v > 0 and not v & (v - 1)
+
+
+def _validate(cfg: Any) -> None:
+    """Every field's declared check (the sections' ``__post_init__`` add the checks that span fields)."""
+    for f in dataclasses.fields(cfg):
+        check = f.metadata.get("check")
+        value = getattr(cfg, f.name)
+        if check is not None and not check(value):
+            raise ValueError(f"{f.name} must be {f.metadata['expect']}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache and its memory budgets."""
 
-    block_size: int = 16
-    """Tokens per KV block (also the granularity of sparse selection)."""
-    kv_cache_bytes: int | None = None
-    """Device bytes for KV blocks (and key summaries in sparse modes); the knob behind the HBM capacity wall.
-    None: 2 GiB on CPU, 90% of free device memory after weights on CUDA."""
-    host_kv_bytes: int | None = None
-    """Host bytes for the full-KV pool of host-pool modes. None: 8 GiB on CPU; with CUDA 64 GiB, or half the
-    available RAM where that is less (pinned as one region of exactly this size)."""
-    device_tier: bool = False
-    """Host-pool modes: once the host pool is full, keep further full-KV blocks in the device KV budget (a device
-    tier, read by the same gathers device-to-device). The working sets use a small part of ``kv_cache_bytes``;
-    the tier puts the rest to use, so more requests run at the same device budget as dense. Off by default: it
-    changes no result where the host pool suffices, and prefill-decode (staged KV, prefix cache, remote KV)
-    does not support it."""
+    block_size: int = _opt(16, "Tokens per KV block, also the granularity of sparse selection.",
+                           "a positive power of two", _pow2)
+    kv_cache_bytes: int | None = _opt(
+        None, "Device bytes for KV blocks and key summaries: the HBM capacity wall (None: 2 GiB on CPU, 90% of free "
+        "device memory on CUDA).", "positive (bytes)", lambda v: v is None or (_int(v) and v > 0))
+    host_kv_bytes: int | None = _opt(
+        None, "Host bytes of the full-KV pool of host-pool modes, pinned on CUDA (None: 8 GiB on CPU; on CUDA 64 GiB, "
+        "or half the available RAM where that is less).", "positive (bytes)",
+        lambda v: v is None or (_int(v) and v > 0))
+    device_tier: bool = _opt(
+        False, "Host-pool modes: once the host pool is full, keep further full-KV blocks in the device KV budget the "
+        "working sets leave free (not with prefill-decode).", "true or false", lambda v: isinstance(v, bool))
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        for f in ("kv_cache_bytes", "host_kv_bytes"):
-            v = getattr(self, f)
-            if v is not None and v <= 0:
-                raise ValueError(f"{f} must be positive, got {v}")
+        _validate(self)
 
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """OasisKV sparse decode settings (SPEC item 7 defaults)."""
+    """The OasisKV algorithm: what a user chooses (SPEC item 7 defaults)."""
 
-    top_k_blocks: int = 128
-    """Blocks per KV head in the working set (plus the local active block)."""
-    fetch_ratio: float = 0.05
-    """Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per head."""
-    draft: str = "auto"
-    """Draft source for oasiskv mode: auto (the model's shipped head behind the n-gram draft where one ships,
-    else ngram; EngineConfig resolves it), ngram[:N], layerskip[:N], model:<path>, eagle3:<path>,
-    oracle, or ngram[:N]+<one of those>."""
-    sink_blocks: int = 0
-    """Leading blocks always attended (attention sinks)."""
-    dense_layers: tuple[int, ...] = ()
-    """Layers that attend over the full context in sparse modes."""
-    measure_recall: bool = False
-    """Compute per-layer recall of the predicted top-K against the true next query's top-K."""
-    fetch_on_demand_cap: bool = False
-    """Apply the fetch cap in fetch-on-demand mode too (default: fetch every missing block, as retrieval does)."""
-    disable_transfers: bool = False
-    """Benchmark only: run prediction and selection but skip the host->device copies (an all-resident upper
-    bound on step time; attention then reads stale slots, so outputs are meaningless)."""
-    kernels: str = "auto"
-    """'auto' (GPU kernels on CUDA, references on CPU), 'ref' (plain PyTorch everywhere), 'gpu'."""
-    gather_ctas: int = GATHER_CTAS
-    """CTAs of the UVA gather kernel that runs each layer's prefetch (0: one per copied block-head). Few CTAs
-    leave the SMs to the step's own kernels while the copies stream over PCIe."""
-    gather_copies: int = GATHER_COPIES
-    """Copies each CTA of that gather has in flight at once (a power of two): a PCIe read stalls its CTA for
-    microseconds, so with one at a time a small grid cannot keep the link busy."""
-
-    gather_hint: str = ""
-    """Cache hints of that gather's host loads and device stores, a key of :data:`GATHER_HINTS` ("": the
-    hardware's defaults; "cg", "cv", "stream"). For A/B runs of what the prefetch costs the step's HBM-bound
-    kernels (bench/NOTES.md)."""
-
-    copy_engine_prefill: bool = True
-    """Host-pool modes on CUDA: a prefill chunk's KV goes to the pool, and its prefix comes back from it, by
-    ``cudaMemcpyAsync`` over runs of consecutive pool rows on two side streams (the copy engines, beside the
-    step's compute; the reads one layer ahead), instead of UVA kernels on the SMs in the step's critical path.
-    Sequences whose rows fall in too many runs keep the kernels. False: the UVA kernels (for A/B runs). On an
-    H200 (Qwen3-8B shapes, 32K prompts in 8K chunks beside 28 decoding requests) prefill-carrying steps took
-    483.8 ms with it against 524.2 without (``bench/profile_prefill.py --ab copy_engine_prefill``, bench/NOTES.md);
-    ``tests/test_gpu_engine.py`` checks both give the same tokens and traffic."""
-
-    link_gbps: float = 0.0
-    """The per-step fetch budget from the link (the paper's C_token = B_link x T_decode), in GB/s: each decode
-    step's cap becomes the (block, head) copies per request that this rate moves in one step's time (the
-    shortest of the latest measured steps of its kind: decode-only, or carrying a prefill), shared by the step's
-    requests, rounded down to a power of two, at most twice the last cap, never below ``fetch_cap`` nor above
-    ``top_k_blocks``. 0: the fixed ``fetch_cap`` every step. Set it below the rate the prefetch reaches (an
-    H200: ~43 GB/s): once the transfers set the step's time, a cap shrinks back only if this rate is below the
-    one reached (``oasiskv_runtime.sparse.link_cap``)."""
-
-    pipeline_priority: int = 0
-    """CUDA priority of the prefetch pipeline's three background streams (prediction, selection, transfer): lower
-    is higher, 0 is the default streams' (CUDA clamps it to the device's range). The idea: the block scheduler
-    gives the pipeline's few CTAs the next free SMs before the main stream's kernels, so the link is not left idle
-    behind a large GEMM. A captured graph keeps each node's priority (PyTorch instantiates graphs with per-node
-    priorities). On an H200 at 16K x 64 / 128, -1 changed no step time (bench/NOTES.md), so the default is 0."""
-
-    select_kernel: bool = True
-    """The prefetch pipeline's selection and transfer plan as one fused kernel per layer (GPU kernels only;
-    False: its plain-PyTorch composition, the reference, ~70 small kernels per layer; for A/B benchmarks)."""
+    top_k_blocks: int = _opt(128, "Blocks per KV head in the working set, plus the local active block.",
+                             "positive", lambda v: _int(v) and v > 0)
+    fetch_ratio: float = _opt(0.05, "Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per KV head.",
+                              "in (0, 1]", lambda v: _num(v) and 0.0 < v <= 1.0)
+    draft: str = _opt("auto", "Draft of oasiskv's look-ahead row: auto (the model's shipped head behind the n-gram "
+                      "draft where one ships, else ngram), ngram[:N], layerskip[:N], model:<path>, eagle3:<path>, "
+                      "oracle, or ngram[:N]+<one of those>.", "a draft source name",
+                      lambda v: isinstance(v, str) and bool(v))
+    sink_blocks: int = _opt(0, "Leading blocks every prediction keeps (attention sinks).",
+                            "in [0, top_k_blocks)", lambda v: _int(v) and v >= 0)
+    dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
+                             "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)
+    link_gbps: float = _opt(
+        0.0, "GB/s the prefetch may use: each decode step's cap becomes what that rate moves in one measured step, "
+        "never below the fetch_ratio cap (0: the fixed cap; set it below the rate the gather reaches).",
+        ">= 0 (0: the fixed fetch cap)", lambda v: _num(v) and v >= 0)
+    fetch_on_demand_cap: bool = _opt(
+        False, "fetch-on-demand: apply the fetch cap too (default: fetch every missing block, as retrieval does).",
+        "true or false", lambda v: isinstance(v, bool))
 
     def __post_init__(self) -> None:
-        if self.top_k_blocks <= 0:
-            raise ValueError(f"top_k_blocks must be positive, got {self.top_k_blocks}")
-        if not 0.0 < self.fetch_ratio <= 1.0:
-            raise ValueError(f"fetch_ratio must be in (0, 1], got {self.fetch_ratio}")
-        if self.sink_blocks < 0 or self.sink_blocks >= self.top_k_blocks:
+        _validate(self)
+        if self.sink_blocks >= self.top_k_blocks:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
-        if self.kernels not in ("auto", "ref", "gpu"):
-            raise ValueError(f"kernels must be auto, ref or gpu, got {self.kernels!r}")
-        if self.gather_copies < 1 or self.gather_copies & (self.gather_copies - 1):
-            raise ValueError(f"gather_copies must be a power of two >= 1, got {self.gather_copies}")
-        if not self.link_gbps >= 0:
-            raise ValueError(f"link_gbps must be >= 0 (0: the fixed fetch cap), got {self.link_gbps}")
-        if self.pipeline_priority > 0:
-            raise ValueError(f"pipeline_priority must be <= 0 (lower is higher), got {self.pipeline_priority}")
-        if self.gather_hint not in GATHER_HINTS:
-            raise ValueError(f"gather_hint must be one of {sorted(GATHER_HINTS)}, got {self.gather_hint!r}")
-        if self.gather_ctas < 0:
-            raise ValueError(f"gather_ctas must be >= 0 (0: one CTA per copy), got {self.gather_ctas}")
-        object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))
 
     @property
     def fetch_cap(self) -> int:
-        return max(1, math.ceil(self.fetch_ratio * self.top_k_blocks - 1e-9))
+        from oasiskv_runtime.core.selector import fetch_cap
+
+        return fetch_cap(self.fetch_ratio, self.top_k_blocks)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How the same arithmetic runs: kernel choices and launch settings. None of them changes a result beyond
+    rounding; they exist for A/B runs and for references."""
+
+    backend: str = _opt("auto", "Every op, dense included: auto (GPU kernels on CUDA, plain-PyTorch references on "
+                        "the CPU) or ref (the references everywhere).", "auto or ref", lambda v: v in ("auto", "ref"))
+    cuda_graphs: str = _opt("auto", "Decode-only steps: auto (replayed from CUDA graphs on CUDA), off (eager), static "
+                            "(eager on the graphs' input layout; tests it on the CPU).", "auto, off or static",
+                            lambda v: v in ("auto", "off", "static"))
+    fused_norm_rope: bool = _opt(True, "RMSNorm, and the q/k norm with rotary, as one Triton kernel each on CUDA "
+                                 "(off: their PyTorch composition).", "true or false", lambda v: isinstance(v, bool))
+    select_kernel: bool = _opt(True, "The prefetch's selection and copy plan as one fused kernel per layer (off: its "
+                               "PyTorch reference; same decisions).", "true or false", lambda v: isinstance(v, bool))
+    copy_engine_prefill: bool = _opt(
+        True, "Host-pool modes on CUDA: prefill chunks' pool reads and writes by cudaMemcpyAsync on side streams "
+        "(off: UVA kernels in the step's critical path).", "true or false", lambda v: isinstance(v, bool))
+    gather_ctas: int = _opt(GATHER_CTAS, "CTAs of the UVA gather that copies prefetched blocks from host memory (0: "
+                            "one per copied block-head).", ">= 0 (0: one CTA per copy)", lambda v: _int(v) and v >= 0)
+    gather_copies: int = _opt(GATHER_COPIES, "Copies each of those CTAs has in flight.", "a power of two >= 1", _pow2)
+    gather_hint: str = _opt("", "Cache hints of that gather's loads and stores: '' (hardware defaults), cg, cv, "
+                            "stream.", f"one of {sorted(GATHER_HINTS)}", lambda v: v in GATHER_HINTS)
+    pipeline_priority: int = _opt(0, "CUDA priority of the prefetch pipeline's three streams (lower is higher).",
+                                  "<= 0 (lower is higher)", lambda v: _int(v) and v <= 0)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """Measurement switches: they change what is measured or reported, never what a user would deploy."""
+
+    measure_recall: bool = _opt(False, "Per-layer recall of each predicted top-K against the true next query's "
+                                "(host round trips: no CUDA graphs).", "true or false", lambda v: isinstance(v, bool))
+    disable_transfers: bool = _opt(
+        False, "Benchmarks only: predict and select but skip the copies (an all-resident bound on step time; outputs "
+        "are meaningless).", "true or false", lambda v: isinstance(v, bool))
+
+    def __post_init__(self) -> None:
+        _validate(self)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_seqs: int = 256
-    """Most requests running at once."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step; prompts longer than this are prefilled in chunks."""
-    cuda_graphs: str = "auto"
-    """Decode-only steps: 'auto' replays them from CUDA graphs on CUDA (eager on the CPU), 'off' always runs
-    them eagerly, 'static' runs them eagerly on the graphs' static input layout (tests the layout on the CPU)."""
-    fused_norm_rope: bool = True
-    """Every step, every mode: RMSNorm, and the q/k norm with rotary, as one Triton kernel each on CUDA (~40 fewer
-    kernels per decoder layer); False: their PyTorch composition (for A/B runs). The norm rounds as the
-    composition does; rotary results may differ from it by one last bit (``oasiskv_runtime.ops.norm_rope``). The
-    CPU always runs the composition."""
+    max_num_seqs: int = _opt(256, "Most requests running at once.", "positive",
+                             lambda v: _int(v) and v > 0)
+    max_num_batched_tokens: int = _opt(2048, "Token budget of one step; longer prompts are prefilled in chunks.",
+                                       "positive", lambda v: _int(v) and v > 0)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.cuda_graphs not in ("auto", "off", "static"):
-            raise ValueError(f"cuda_graphs must be auto, off or static, got {self.cuda_graphs!r}")
+        _validate(self)
+
+
+PD_TRANSFERS = ("rpf", "full")
+PD_TRANSPORTS = ("nixl", "tcp")
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    """Prefill-decode disaggregation (``oasiskv_runtime.pd``)."""
+
+    transfer: str = _opt("rpf", "What crosses to the decode node at admission: rpf (the first decode step's blocks "
+                         "and the key summaries; misses read on demand) or full (the whole prompt KV).",
+                         "rpf or full", lambda v: v in PD_TRANSFERS)
+    transport: str = _opt("nixl", "How KV moves host to host: nixl (UCX) or tcp.", "nixl or tcp",
+                          lambda v: v in PD_TRANSPORTS)
+    prefix_cache: bool = _opt(False, "Prefill side: reuse staged prompt blocks across requests that share a prefix.",
+                              "true or false", lambda v: isinstance(v, bool))
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+_SECTIONS: dict[str, type] = {"cache": CacheConfig, "sparse": SparseConfig, "kernels": KernelConfig,
+                              "debug": DebugConfig, "scheduler": SchedulerConfig, "pd": PDConfig}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Everything an engine runs with. Flat option names (``top_k_blocks``, ``backend``...) are unique across the
+    sections, so a user and the CLI set them by name (:meth:`from_overrides`)."""
+
     model: str
-    """Preset name, HF directory or .gguf file."""
+    """Packaged name, random-weight preset, Hugging Face directory or .gguf file."""
     device: str = "cpu"
+    """cpu or cuda[:N]."""
     dtype: str = "float32"
+    """float32, bfloat16 or float16."""
     mode: Mode = Mode.DENSE
+    """dense, sparse-resident, fetch-on-demand, proxy-prefetch or oasiskv (settings of one engine)."""
     seed: int = 0
+    """Seed of the weights of random presets, of sampling and of workloads."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -344,28 +394,48 @@ class EngineConfig:
             object.__setattr__(self, "sparse", dataclasses.replace(self.sparse,
                                                                    draft=resolve_draft("auto", self.model)))
 
-    _SUBS = ("cache", "sparse", "scheduler")
+    @staticmethod
+    def options() -> dict[str, OptionSpec]:
+        """Every engine option by its flat name: section, default, valid values, meaning."""
+        out: dict[str, OptionSpec] = {}
+        for section, t in _SECTIONS.items():
+            for f in dataclasses.fields(t):
+                out[f.name] = OptionSpec(f.name, section, f.default, f.metadata["doc"], f.metadata["expect"],
+                                         f.metadata["check"])
+        return out
 
     @classmethod
     def from_overrides(cls, model: str, device: str = "cpu", dtype: str = "float32", mode: str | Mode = "dense",
                        seed: int = 0, **overrides: Any) -> EngineConfig:
-        """Route flat keyword overrides to the sub-config owning each name; unknown names are errors."""
-        sub_types = {"cache": CacheConfig, "sparse": SparseConfig, "scheduler": SchedulerConfig}
-        owner = {f.name: sub for sub, t in sub_types.items() for f in dataclasses.fields(t)}
+        """Route flat keyword overrides to the section owning each name; unknown names are errors. ``kv_cache_gb``
+        is ``kv_cache_bytes`` in GiB."""
+        owner = {name: spec.section for name, spec in cls.options().items()}
         if "kv_cache_gb" in overrides:
             gb = overrides.pop("kv_cache_gb")
             if gb is not None:
+                if not _num(gb) or gb <= 0:
+                    raise ValueError(f"kv_cache_gb must be a positive number (GiB), got {gb!r}")
                 overrides["kv_cache_bytes"] = int(float(gb) * (1 << 30))
-        per_sub: dict[str, dict[str, Any]] = {s: {} for s in sub_types}
+        per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
         for key, value in overrides.items():
             if key not in owner:
                 valid = ", ".join(sorted(list(owner) + ["kv_cache_gb"]))
                 raise TypeError(f"unknown engine option {key!r}; valid options: {valid}")
-            per_sub[owner[key]][key] = value
+            per_section[owner[key]][key] = value
         return cls(model=model, device=device, dtype=dtype, mode=Mode.parse(mode), seed=seed,
-                   **{s: t(**per_sub[s]) for s, t in sub_types.items()})
+                   **{s: t(**per_section[s]) for s, t in _SECTIONS.items()})
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["mode"] = self.mode.value
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        """The inverse of :meth:`to_dict` (a section may be missing: its defaults)."""
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {', '.join(sorted(unknown))}")
+        sections = {s: t(**d.pop(s, {})) for s, t in _SECTIONS.items()}
+        return cls(**d, **sections)

@@ -227,9 +227,9 @@ def test_dense_layers_option_and_sweep_reach_the_engine_as_leading_layers(tiny, 
                          sweep=("dense_layers", (0.0, 3.0)), top_k_blocks=8, output_dir=tmp_path)
     assert cfg.settings() == [("dense", {}), ("sparse-resident", {"dense_layers": 0}),
                               ("sparse-resident", {"dense_layers": 3})]
-    assert _engine_opts(cfg, {})["dense_layers"] == (0, 1)
-    assert _engine_opts(cfg, {"dense_layers": 3})["dense_layers"] == (0, 1, 2)
-    assert _engine_opts(cfg, {"dense_layers": 0})["dense_layers"] == ()
+    assert _engine_opts(cfg, {})["dense_layers"] == 2
+    assert _engine_opts(cfg, {"dense_layers": 3})["dense_layers"] == 3
+    assert _engine_opts(cfg, {"dense_layers": 0})["dense_layers"] == 0
     for bad in (["--dense-layers", "-1"], ["--sweep", "dense_layers=0,99"]):
         r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "sparse-resident",
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})

@@ -110,12 +110,12 @@ def test_split_steps_sample_after_launching_their_prefill_part(tiny, monkeypatch
     """Sampling reads tokens back (on CUDA the host waits for the GPU), so a split step samples its decode
     part only once its prefill part is launched: no sample between the two parts."""
     import oasiskv_runtime.engine.model_runner as mr
-    from oasiskv_runtime.sparse.backend import SparseAttention
+    from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
 
     events: list[str] = []
-    real_sample, real_begin = mr.sample, SparseAttention.begin_step
+    real_sample, real_begin = mr.sample, OasisKVAttention.begin_step
     monkeypatch.setattr(mr, "sample", lambda *a, **k: events.append("sample") or real_sample(*a, **k))
-    monkeypatch.setattr(SparseAttention, "begin_step",
+    monkeypatch.setattr(OasisKVAttention, "begin_step",
                         lambda self, meta: events.append("static" if meta.extra.get("static") is not None
                                                          else "eager") or real_begin(self, meta))
     _, st = staggered(tiny, "oasiskv", "static")
@@ -226,18 +226,20 @@ def test_capture_remakes_the_per_step_rows(tiny):
     seen = []
     end_step = be.end_step
 
+    def memos():  # the tensors made once per step: on the decode batch, and the adapter's own
+        batch = be.step.decode
+        return set(batch._memo if batch is not None else ()) | set(be.context.memo)
+
     def spy():  # at the end of each step, before the backend lets go of its metadata: a capture would run now
-        made = be._step_cache()
-        seen.append(set(made))
+        seen.append(memos())
         be.before_capture()
-        seen.append(set(be._step_cache()))
-        assert be._step_cache() is not made
+        seen.append(memos())
         end_step()
 
     be.end_step = spy
     for _ in range(3):  # the prefill step, then decode steps on the static layout
         eng.step()
-    assert {"qd_rows", "pred_rows", "slots_i32", "local_len_i32"} <= seen[-2] and seen[-1] == set()
+    assert {"qd_rows", "pred_rows", "slots_i32", "local_len_i32", "pool_rows"} <= seen[-2] and seen[-1] == set()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

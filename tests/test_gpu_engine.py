@@ -34,7 +34,7 @@ def test_full_budget_matches_dense_on_cuda(tiny, mode):
 def test_async_pipeline_small_budget_bf16(tiny, mode):
     llm = LLM(tiny, device="cuda", dtype="bfloat16", mode=mode, top_k_blocks=2, fetch_ratio=0.5,
               measure_recall=True, host_kv_bytes=HOST)
-    assert llm.engine.backend.async_pipeline
+    assert llm.engine.backend.background
     outs = llm.generate(PROMPTS, GREEDY)
     st = llm.engine.run_stats()
     assert all(len(o.token_ids) == 32 for o in outs)
@@ -90,6 +90,6 @@ def test_pipeline_priority_reaches_the_streams_and_changes_no_token(tiny):
         llm = LLM(tiny, device="cuda", dtype="float32", mode="oasiskv", top_k_blocks=4, fetch_ratio=0.25,
                   pipeline_priority=prio, host_kv_bytes=HOST)
         outs = llm.generate(PROMPTS, GREEDY)
-        assert all((s.priority < 0) == (prio < 0) for s in llm.engine.backend.streams), prio
+        assert all((s.priority < 0) == (prio < 0) for s in llm.engine.backend.pipeline.streams), prio
         runs.append(([o.token_ids for o in outs], llm.engine.run_stats()["fetched_blocks_per_step"]))
     assert runs[0] == runs[1] and runs[0][1] > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv_runtime.attention.dense import PagedKVCache
+from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 from oasiskv_runtime.transfer.host_memory import PinnedRegion, available_host_bytes
 
 

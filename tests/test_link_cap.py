@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from oasiskv_runtime import LLM, SamplingParams
-from oasiskv_runtime.sparse.link_cap import LinkCap, pow2_floor
+from oasiskv_runtime.core.link_cap import LinkCap, pow2_floor
 from tests.tiny_models import write_tiny
 
 

@@ -91,7 +91,7 @@ def test_backends_and_errors():
 
 
 def _forward(model, ids, device):
-    from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+    from oasiskv_runtime.ops.attend import attend_ref, causal_allowed
 
     class Causal:
         allowed = causal_allowed(len(ids), len(ids), device)
@@ -123,7 +123,7 @@ def test_engine_option_routes():
     from oasiskv_runtime.config import EngineConfig
 
     cfg = EngineConfig.from_overrides("x", fused_norm_rope=False)
-    assert cfg.scheduler.fused_norm_rope is False and EngineConfig("x").scheduler.fused_norm_rope is True
+    assert cfg.kernels.fused_norm_rope is False and EngineConfig("x").kernels.fused_norm_rope is True
 
 
 @pytest.mark.gpu

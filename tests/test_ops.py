@@ -435,7 +435,7 @@ def test_score_topk_kernel_matches_ref(dtype, integer, BS, D, device):
     B, Hkv, g, n_pages, NB, k = 5, 3, 3, 11, 67, 37
     q, smin, smax, table, nc = make_summary_inputs(B, Hkv, g, D, BS, n_pages, NB, dtype=dtype,
                                                    integer=integer, device=device)
-    s_ker = st.quest_scores(q, smin, smax, table, nc, Hkv)
+    s_ker = st.quest_scores(q, smin, smax, table, nc, Hkv, backend="triton")
     s_ref = st.quest_scores_ref(q, smin, smax, table, nc, Hkv)
     assert torch.equal(torch.isinf(s_ker), torch.isinf(s_ref))
     fin = ~torch.isinf(s_ref)
@@ -616,27 +616,27 @@ def test_uva_scatter_triton_kernel_tier(device, programs, tiered):
 
 @pytest.mark.parametrize("copies", [0, 3, 6])
 def test_gather_copies_must_be_a_power_of_two(copies):
-    from oasiskv_runtime.config import SparseConfig
+    from oasiskv_runtime.config import KernelConfig
 
     with pytest.raises(ValueError, match="gather_copies"):
-        SparseConfig(gather_copies=copies)
+        KernelConfig(gather_copies=copies)
 
 
 def test_pipeline_priority_must_not_be_positive():
-    from oasiskv_runtime.config import SparseConfig
+    from oasiskv_runtime.config import KernelConfig
 
     with pytest.raises(ValueError, match="pipeline_priority must be <= 0"):
-        SparseConfig(pipeline_priority=1)
-    assert SparseConfig(pipeline_priority=-3).pipeline_priority == -3
+        KernelConfig(pipeline_priority=1)
+    assert KernelConfig(pipeline_priority=-3).pipeline_priority == -3
 
 
 def test_gather_hint_is_one_the_kernel_knows():
-    from oasiskv_runtime.config import SparseConfig
+    from oasiskv_runtime.config import KernelConfig
 
     with pytest.raises(ValueError, match="gather_hint must be"):
-        SparseConfig(gather_hint="evict_first")
+        KernelConfig(gather_hint="evict_first")
     for hint in ug.GATHER_HINTS:  # the config and the kernel agree on the names
-        assert SparseConfig(gather_hint=hint).gather_hint == hint
+        assert KernelConfig(gather_hint=hint).gather_hint == hint
 
 
 @pytest.mark.gpu

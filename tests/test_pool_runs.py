@@ -73,11 +73,11 @@ def test_engine_copy_path_equals_the_kernel_path_on_cpu(tiny, mode, tier, monkey
     rows share steps with chunks) with the pool's prefill traffic planned as runs and copied, against the same
     path through the UVA kernels' references: same tokens, same traffic; with ``tier``, a host pool of 6 blocks."""
     from oasiskv_runtime import LLM, SamplingParams
-    import oasiskv_runtime.sparse.backend as backend
+    import oasiskv_runtime.transfer.prefill_io as prefill_io
 
     calls = []
-    real = backend.copy_runs
-    monkeypatch.setattr(backend, "copy_runs", lambda runs, *a, **k: (calls.append(len(runs)), real(runs, *a, **k)))
+    real = prefill_io.copy_runs
+    monkeypatch.setattr(prefill_io, "copy_runs", lambda runs, *a, **k: (calls.append(len(runs)), real(runs, *a, **k)))
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     bb = LLM(tiny, mode=mode, block_size=4, top_k_blocks=2).engine.block_bytes
     pools = dict(host_kv_bytes=6 * bb, device_tier=True, kv_cache_bytes=400 * bb) if tier else {}

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from oasiskv_runtime import LLM, SamplingParams
-from oasiskv_runtime.attention.dense import DenseAttention
-from oasiskv_runtime.attention.ref import attend_prefill, attend_ref, causal_allowed
+from oasiskv_runtime.engine.attention.dense import DenseAttention
+from oasiskv_runtime.ops.attend import attend_prefill, attend_ref, causal_allowed
 from oasiskv_runtime.ops import summary_update as su
 from oasiskv_runtime.ops import uva_gather as ug
-from oasiskv_runtime.sparse.backend import SparseAttention
+from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
 from tests.kernel_devices import KERNEL_DEVICES
 from tests.tiny_models import write_tiny
 
@@ -185,12 +185,12 @@ def test_device_prefill_path_equals_host_path_on_cpu(tiny, mode):
 
 
 def test_device_prefill_dense_layers_on_cpu(tiny):
-    kw = dict(top_k_blocks=2, dense_layers=[0, 3])
+    kw = dict(top_k_blocks=2, dense_layers=2)
     assert _tokens(tiny, "oasiskv", True, **kw) == _tokens(tiny, "oasiskv", False, **kw)
 
 
 def test_device_prefill_defaults_to_cuda():
-    assert SparseAttention.device_prefill is None and DenseAttention.device_prefill is None
+    assert OasisKVAttention.device_prefill is None and DenseAttention.device_prefill is None
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def test_attend_prefill_cuda_matches_ref(dtype, nq, nk, hq, hkv, d):
 def test_sdpa_gqa_matches_ref(device, dtype, how):
     """sdpa_gqa: native GQA where flash can take it, K/V heads repeated where it cannot (CUDA float32, masks);
     either way the reference's result, odd sizes, 9 query heads over 3 KV heads."""
-    from oasiskv_runtime.attention.ref import sdpa_gqa
+    from oasiskv_runtime.ops.attend import sdpa_gqa
 
     nq, nk, hq, hkv, d = (77, 77, 9, 3, 64) if how == "causal" else (23, 141, 9, 3, 64)
     gen = _gen(nq * 7 + nk)
@@ -424,8 +424,10 @@ def test_summary_runs_by_block_equal_token_runs_of_the_token_layout():
     per-token rows (the layout it replaced) for mixed steps: chunks starting mid-block, decode rows, odd sizes."""
     from types import SimpleNamespace
 
-    from oasiskv_runtime.attention.metadata import SeqSlice
-    from oasiskv_runtime.sparse.backend import SparseAttention
+    from oasiskv_runtime.config import Mode
+    from oasiskv_runtime.core.batch import summary_row
+    from oasiskv_runtime.engine.attention.metadata import SeqSlice
+    from oasiskv_runtime.engine.attention.sparse_step import SparseStepBuilder
 
     for seed in range(12):
         gen = _gen(seed)
@@ -438,10 +440,10 @@ def test_summary_runs_by_block_equal_token_runs_of_the_token_layout():
             tables[sid] = [free.pop() for _ in range(-(-ctx // bs) // bs + 1)]
             seqs.append(SeqSlice(sid, row, nq, ctx, []))
             row += nq
-        fake = SimpleNamespace(bs=bs, kv=SimpleNamespace(requests={i: SimpleNamespace(summary_blocks=t)
-                                                                   for i, t in tables.items()}))
-        fake._summary_row = lambda table, j: SparseAttention._summary_row(fake, table, j)
-        rows = [fake._summary_row(tables[s.seq_id], p // bs) for s in seqs
+        kv = SimpleNamespace(block_size=bs, requests={i: SimpleNamespace(summary_blocks=t) for i, t in tables.items()})
+        builder = SparseStepBuilder(Mode.SPARSE_RESIDENT, kv, None, torch.device("cpu"), device_step=False)
+        rows = [summary_row(tables[s.seq_id], p // bs, bs) for s in seqs
                 for p in range(s.context_len - s.num_query, s.context_len)]
         reset = [p % bs == 0 for s in seqs for p in range(s.context_len - s.num_query, s.context_len)]
-        assert SparseAttention._summary_runs(fake, seqs) == su.token_runs(rows, reset, bs)
+        got = [t.tolist() for t in builder.summary_writes(seqs, runs=True).runs]
+        assert tuple(got) == su.token_runs(rows, reset, bs)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oasiskv_runtime.ops.select_plan import select_plan, select_plan_ref
-from oasiskv_runtime.sparse.selector import select_head
+from oasiskv_runtime.core.selector import select_head
 from tests.kernel_devices import KERNEL_DEVICES
 
 

@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oasiskv_runtime.sparse.selector import HeadSelection, fetch_cap, select_head
-from oasiskv_runtime.sparse.selector_torch import SelectionPlan, select_batched
+from oasiskv_runtime.core.selector import HeadSelection, fetch_cap, select_head
+from oasiskv_runtime.ops.select_rows import SelectionPlan, select_batched
 
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None)
 MAIN_PROPERTY_SETTINGS = settings(max_examples=250, deadline=None)
@@ -271,7 +271,7 @@ def test_fetch_cap() -> None:
 def test_reference_does_not_import_torch() -> None:
     # Checked on the source rather than sys.modules: the package's own __init__ may import torch, but
     # the reference module must stay loadable on a host without it.
-    import oasiskv_runtime.sparse.selector as selector_module
+    import oasiskv_runtime.core.selector as selector_module
 
     tree = ast.parse(Path(selector_module.__file__).read_text())
     imported: set[str] = set()

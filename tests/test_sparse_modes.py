@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oasiskv_runtime import LLM, SamplingParams
-from oasiskv_runtime.attention.ref import attend_ref
+from oasiskv_runtime.ops.attend import attend_ref
 from oasiskv_runtime.ops.score_topk import quest_scores_ref
 from tests.tiny_models import write_tiny
 
@@ -166,8 +166,8 @@ def test_recall_and_traffic_metrics_with_small_budget(tiny):
 
 @pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
 def test_dense_layers_covering_every_layer_equal_dense(tiny, dense_tokens, mode):
-    """With every layer listed in dense_layers, a tiny budget changes nothing."""
-    llm = LLM(tiny, mode=mode, top_k_blocks=2, block_size=4, dense_layers=list(range(5)))
+    """With every layer dense (dense_layers = the model's 5 layers), a tiny budget changes nothing."""
+    llm = LLM(tiny, mode=mode, top_k_blocks=2, block_size=4, dense_layers=5)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
 
 
@@ -177,10 +177,10 @@ def test_sink_blocks_always_resident(tiny):
     seq = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for _ in range(6):
         eng.step()
-    row = eng.backend.rows[seq.seq_id]
-    smap = eng.backend.slot_map[row]                    # [layers, Hkv, K]
+    row = eng.backend.head_map.rows[seq.seq_id]
+    smap = eng.backend.head_map.slot_map[row]           # [layers, Hkv, K]
     assert bool((smap == 0).any(-1).all())             # block 0 resident for every layer and head
     with pytest.raises(ValueError, match="sink_blocks"):
         LLM(tiny, mode="oasiskv", top_k_blocks=2, sink_blocks=2)
     with pytest.raises(ValueError, match="dense_layers"):
-        LLM(tiny, mode="oasiskv", dense_layers=[7])
+        LLM(tiny, mode="oasiskv", dense_layers=7)

@@ -357,6 +357,6 @@ def test_link_gbps_and_pipeline_priority_reach_the_engine_config(tiny):
     point = {"model": tiny, "mode": "oasiskv", "context_len": 40, "concurrency": 1, "device": "cpu",
              "link_gbps": 20, "pipeline_priority": -1}
     (pp,) = tp.plan_points([point])
-    assert pp.engine.sparse.link_gbps == 20 and pp.engine.sparse.pipeline_priority == -1
+    assert pp.engine.sparse.link_gbps == 20 and pp.engine.kernels.pipeline_priority == -1
     (pp,) = tp.plan_points([{k: v for k, v in point.items() if k not in ("link_gbps", "pipeline_priority")}])
-    assert pp.engine.sparse.link_gbps == 0 and pp.engine.sparse.pipeline_priority == 0
+    assert pp.engine.sparse.link_gbps == 0 and pp.engine.kernels.pipeline_priority == 0

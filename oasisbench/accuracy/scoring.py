@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
+from oasiskv_runtime.ops.attend import attend_ref, causal_allowed
 from oasiskv_runtime.sampling_params import SamplingParams
 
 __all__ = ["engine_loglikelihood", "dense_loglikelihood"]

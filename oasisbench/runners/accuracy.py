@@ -176,7 +176,6 @@ def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any]) -> dict[str, Any]
                 sink_blocks=cfg.sink_blocks,
                 dense_layers=cfg.dense_layers, draft=cfg.draft, kv_cache_gb=cfg.kv_cache_gb,
                 max_num_seqs=cfg.max_num_seqs) | setting
-    opts["dense_layers"] = tuple(range(opts["dense_layers"]))  # the engine takes the layers' indices
     return opts
 
 

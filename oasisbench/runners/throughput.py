@@ -59,7 +59,7 @@ POINT_DEFAULTS: dict[str, Any] = {
     "gather_copies": None,
     "pipeline_priority": None,
     "link_gbps": None,
-    "dense_layers": [],
+    "dense_layers": 0,
     "measure_recall": False,
     "max_num_batched_tokens": 2048,
     "cuda_graphs": None,
@@ -111,8 +111,6 @@ def engine_overrides(point: dict[str, Any]) -> dict[str, Any]:
     ov = {k: point[k] for k in ENGINE_KEYS if point.get(k) is not None}
     if point.get("host_kv_gb") is not None:  # the engine takes bytes; GiB reads better in a suite
         ov["host_kv_bytes"] = int(float(point["host_kv_gb"]) * (1 << 30))
-    if isinstance(ov.get("dense_layers"), int):  # an integer n in a suite means "the first n layers"
-        ov["dense_layers"] = list(range(ov["dense_layers"]))
     ov["max_num_seqs"] = int(point["concurrency"])
     return ov
 

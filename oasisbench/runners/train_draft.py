@@ -237,7 +237,7 @@ class _CausalKV:
     (``lengths``: their token counts in order; None = one sequence). Each sequence attends within itself."""
 
     def __init__(self, scale: float, lengths: list[int] | None = None) -> None:
-        from oasiskv_runtime.attention.ref import attend_prefill
+        from oasiskv_runtime.ops.attend import attend_prefill
 
         # attend_prefill: the reference arithmetic on the CPU; on CUDA SDPA's causal kernels, never [H, n, n] scores
         # in float32 (capture's forward was its time: 180 s of 206 for 6,047 windows of run 7, bench/NOTES.md)

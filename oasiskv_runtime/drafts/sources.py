@@ -18,15 +18,32 @@ Drafts are never accepted here (the target's own token is always kept), so a dra
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from oasiskv_runtime.attention.ref import attend_ref, causal_allowed
-from oasiskv_runtime.engine.sequence import Sequence
+from oasiskv_runtime.ops.attend import attend_ref, causal_allowed
 
-if TYPE_CHECKING:
-    from oasiskv_runtime.engine.llm_engine import LLMEngine
+
+class Sequence(Protocol):
+    """What a draft reads of a request (the engine's ``Sequence`` is one): drafts know no engine."""
+
+    seq_id: int
+    num_tokens: int
+    output_token_ids: list[int]
+
+    def token_at(self, i: int) -> int: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class DraftTarget(Protocol):
+    """What a draft reads of its target engine (``LLMEngine`` is one): the model, its config, device and dtype."""
+
+    model: Any
+    model_config: Any
+    config: Any
+    dtype: torch.dtype
 
 
 class DraftSource(Protocol):
@@ -239,7 +256,7 @@ class ModelDraft(_NoObserve):
 class Eagle3Source:
     """EAGLE-3 head: at position p it takes the target's hidden states of p and the token at p+1."""
 
-    def __init__(self, path: str, engine: LLMEngine) -> None:
+    def __init__(self, path: str, engine: DraftTarget) -> None:
         from oasiskv_runtime.drafts.eagle3 import Eagle3Drafter, Eagle3Head
 
         n = engine.model_config.num_layers
@@ -289,7 +306,7 @@ class Eagle3Source:
         self.fed.pop(seq_id, None)
 
 
-def make_draft_source(spec: str, engine: LLMEngine) -> Any:
+def make_draft_source(spec: str, engine: DraftTarget) -> Any:
     """Build a draft source from its name (see module docstring)."""
     head, plus, rest = spec.partition("+")
     if plus:

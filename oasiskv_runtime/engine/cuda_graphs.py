@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.kv_cache_manager import cdiv
 from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.ops.common import host_list_to
@@ -258,7 +258,7 @@ class DecodeGraphs:
         longest = max(s.seq.num_computed_tokens + 1 for s in decode)
         bucket = min(cdiv(max(1, longest // self.block_size), BLOCK_BUCKET) * BLOCK_BUCKET, self.max_blocks)
         key = (self.padded_size(len(decode)), bucket, tuple(be.graph_key()),
-               self.runner.config.scheduler.fused_norm_rope)  # the model's kernels are baked into a capture
+               self.runner.config.kernels.fused_norm_rope)  # the model's kernels are baked into a capture
         mixed = len(decode) < len(sched.scheduled)
         if mixed and (self.runner.capture_layers or not getattr(be, "graph_split_mixed", True)):
             return None  # a draft reading hidden states (EAGLE-3) observes a step as one part, not two
@@ -303,15 +303,18 @@ class DecodeGraphs:
                   "positions": pos + (d_pos if self.uses_draft else []),
                   "slot_mapping": slots + ([-1] * n if self.uses_draft else []),
                   "table_rows": rows, "step": [step]}
-        be = runner.backend
-        dtypes = be.graph_fields(seqs, ctxs, tables, rows, has_draft, fields, static, self.max_blocks)
+        inputs = runner.sparse_inputs or runner.backend  # the sparse modes' inputs, or the dense backend's table
+        dtypes = inputs.graph_fields(seqs, ctxs, tables, rows, has_draft, fields, static, self.max_blocks)
         vec = static.upload(n, fields, dtypes)
         gathered = {name: static.gather(n, name, vec["table_rows"]) for name in static.tables}
         batch = StaticBatch(n, key[1], vec, gathered, static.arange(0, n),
                             static.arange(n, 2 * n) if self.uses_draft else static.arange(0, n))
-        return StepMetadata(input_ids=vec["input_ids"], positions=vec["positions"],
+        meta = StepMetadata(input_ids=vec["input_ids"], positions=vec["positions"],
                             slot_mapping=vec["slot_mapping"], seqs=slices, logits_indices=batch.q_rows,
                             step=step, extra={"static": batch})
+        if runner.sparse_inputs is not None:
+            meta.sparse = runner.sparse_inputs.static_step(meta, batch)
+        return meta
 
     def run(self, decode: list, drafts: dict[int, int],
             key: tuple) -> tuple[StepMetadata, torch.Tensor, dict[int, torch.Tensor]]:

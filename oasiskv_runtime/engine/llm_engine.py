@@ -9,14 +9,17 @@ from typing import Any
 
 import torch
 
-from oasiskv_runtime.attention.dense import DenseAttention, PagedKVCache
 from oasiskv_runtime.config import EngineConfig
+from oasiskv_runtime.engine.attention.dense import DenseAttention
+from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
 from oasiskv_runtime.engine.model_runner import ModelRunner
 from oasiskv_runtime.engine.scheduler import Scheduler
 from oasiskv_runtime.engine.sequence import Sequence, SequenceStatus
 from oasiskv_runtime.models.loader import DTYPES, load_model
 from oasiskv_runtime.sampling_params import SamplingParams
+from oasiskv_runtime.transfer.host_pool import HostKVPool
+from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 
 GiB = 1 << 30
 
@@ -24,7 +27,7 @@ GiB = 1 << 30
 @dataclass
 class StagedKV:
     """A finished request's prompt KV kept in the host pool (prefill-decode hand-off), with the sparse state
-    the decode side continues from (``SparseAttention.export_request``)."""
+    the decode side continues from (``OasisKVAttention.export_request``)."""
 
     seq: Sequence
     host_blocks: list[int]
@@ -124,24 +127,22 @@ class LLMEngine:
         return 2 * GiB
 
     def _make_backend(self, num_device_blocks: int, num_host_blocks: int) -> Any:
-        mc, bs = self.model_config, self.config.cache.block_size
+        mc, bs, cfg = self.model_config, self.config.cache.block_size, self.config
         scale = 1.0 / math.sqrt(mc.head_dim)
-        device = torch.device(self.config.device)
+        device = torch.device(cfg.device)
         cache = PagedKVCache(mc.num_layers, num_device_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype, device)
-        mode = self.config.mode
-        if not mode.is_sparse:
-            return DenseAttention(cache, scale)
-        from oasiskv_runtime.sparse.backend import SparseAttention
-
-        host = None
-        if mode.uses_host_pool:
+        if not cfg.mode.is_sparse:
+            return DenseAttention(cache, scale, cfg.kernels.backend)
+        if cfg.sparse.dense_layers > mc.num_layers:
+            raise ValueError(f"dense_layers: {cfg.sparse.dense_layers} layers asked, the model has {mc.num_layers}")
+        pool = None
+        if cfg.mode.uses_host_pool:
             host = PagedKVCache(mc.num_layers, num_host_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype, "cpu",
                                 pin_memory=device.type == "cuda", zero=False)
-        for layer in self.config.sparse.dense_layers:
-            if not 0 <= layer < mc.num_layers:
-                raise ValueError(f"dense_layers: layer {layer} out of range (model has {mc.num_layers} layers)")
-        return SparseAttention(mode, self.config.sparse, mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, cache,
-                               host, self.kv, scale, self.config.scheduler.max_num_seqs + 1, device)  # + graphs' padding
+            tier = self.kv.tier_first is not None
+            pool = HostKVPool(host, cache if tier else None, self.kv.tier_first)
+        return OasisKVAttention(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, cache, pool, scale,
+                                cfg.scheduler.max_num_seqs + 1)  # + the padding rows of CUDA graphs
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -166,7 +167,7 @@ class LLMEngine:
                 raise ValueError("a prefix hit must cover whole blocks and leave at least one prompt token")
             self.kv.attach_prefix(seq, blocks)
             seq.num_computed_tokens = n
-            self.backend.pending_prefix[seq.seq_id] = (summary_min, summary_max)
+            self.runner.sparse_inputs.pending_prefix[seq.seq_id] = (summary_min, summary_max)
         return seq
 
     def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
@@ -218,7 +219,8 @@ class LLMEngine:
             if self.config.mode.is_sparse:
                 if state is None:
                     raise ValueError("a sparse decode peer needs the prefill side's sparse state")
-                self.backend.import_request(seq.seq_id, len(prompt_token_ids), state, self.runner.step_index)
+                self.backend.import_request(seq.seq_id, self.kv.blocks(seq), len(prompt_token_ids), state,
+                                            self.runner.step_index)
         except BaseException:
             self._release(seq.seq_id)
             self.kv.free(seq)
@@ -244,7 +246,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         if seq.stage_kv:
-            state = self.backend.export_request(seq.seq_id, len(seq.prompt_token_ids), self.runner.step_index)
+            state = self.backend.export_request(seq.seq_id, self.kv.blocks(seq), len(seq.prompt_token_ids),
+                                                self.runner.step_index)
             self.staged[seq.request_id] = StagedKV(seq, self.kv.detach_host_blocks(seq), state)
         self.scheduler.finish(seq, reason)
         self._release(seq.seq_id)

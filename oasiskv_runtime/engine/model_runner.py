@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv_runtime.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
 from oasiskv_runtime.engine.sampler import sample
@@ -32,9 +32,16 @@ class ModelRunner:
         self.last_captured: dict[int, torch.Tensor] = {}
         """Captured residual streams of the last forward, per layer: [T, hidden] (for EAGLE-style drafts)."""
         self.last_meta: StepMetadata | None = None
+        self.sparse_inputs = None
+        """The sparse modes' per-step inputs of the OasisKV core, built here with the step's metadata."""
+        if config.mode.is_sparse:
+            from oasiskv_runtime.engine.attention.sparse_step import SparseStepBuilder
+
+            self.sparse_inputs = SparseStepBuilder(config.mode, kv, backend.head_map, self.device,
+                                                   device_step=backend.background)
         self.graphs = None
         """Decode-only steps on the static layout, replayed from CUDA graphs on CUDA (engine/cuda_graphs.py)."""
-        setting = config.scheduler.cuda_graphs
+        setting = config.kernels.cuda_graphs
         capture = self.device.type == "cuda" and setting == "auto"
         if capture or setting == "static":
             from oasiskv_runtime.engine.cuda_graphs import DecodeGraphs
@@ -45,6 +52,8 @@ class ModelRunner:
         """A request left the engine (finished, preempted, aborted): drop its static-layout rows."""
         if self.graphs is not None:
             self.graphs.forget(seq_id)
+        if self.sparse_inputs is not None:
+            self.sparse_inputs.forget(seq_id)
 
     def primary_table(self, seq: Sequence) -> list[int]:
         """Where a request's full KV lives: device blocks, or host blocks in host-pool modes."""
@@ -76,7 +85,7 @@ class ModelRunner:
             if s.completes:
                 logits_rows.append(row0 + s.num_tokens - 1)
         dev = self.device
-        return StepMetadata(
+        meta = StepMetadata(
             input_ids=host_list_to(ids, torch.long, dev),
             positions=host_list_to(pos, torch.long, dev),
             slot_mapping=host_list_to(slots, torch.long, dev),
@@ -84,6 +93,9 @@ class ModelRunner:
             logits_indices=host_list_to(logits_rows, torch.long, dev),
             step=self.step_index,
         )
+        if self.sparse_inputs is not None:
+            meta.sparse = self.sparse_inputs.build(meta)
+        return meta
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, drafts: dict[int, int] | None = None) -> dict[int, int]:
@@ -100,7 +112,9 @@ class ModelRunner:
         # part left the host idle through the replay and then the GPU idle while the host set up the prefill
         # (measured on the H200: ~30 ms per split prefill step waiting on the replay).
         parts: list[tuple[list[Sequence], torch.Tensor]] = []
-        self.model.use_fused_kernels(self.config.scheduler.fused_norm_rope)  # graphs capture this setting too
+        kernels = self.config.kernels
+        # graphs capture this setting too
+        self.model.use_fused_kernels(kernels.fused_norm_rope and kernels.backend != "ref")
         part = self.graphs.plan(sched) if self.graphs is not None else None
         if part is not None:
             decode, key = part

@@ -197,10 +197,20 @@ def _triton_available() -> bool:
     return loads(_kernels)
 
 
+def _use_triton(backend: str, t: torch.Tensor) -> bool:
+    if backend not in ("auto", "triton", "ref"):
+        raise ValueError(f"unknown backend {backend!r}")
+    return backend == "triton" or (backend == "auto" and t.is_cuda and _triton_available())
+
+
 def quest_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
-                 max_candidates: Optional[int] = None, block_j: Optional[int] = None
+                 max_candidates: Optional[int] = None, block_j: Optional[int] = None, *, backend: str = "auto"
                  ) -> torch.Tensor:
-    """Triton group-max Quest scores ``[B, Hkv, J]`` fp32 (``-inf`` beyond candidates)."""
+    """Group-max Quest scores ``[B, Hkv, J]`` fp32 (``-inf`` beyond candidates): the Triton kernel, or with
+    ``backend="ref"`` (and ``"auto"`` off CUDA) :func:`quest_scores_ref`."""
+    if not _use_triton(backend, q):
+        return quest_scores_ref(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
+                                max_candidates)
     B, Hq, D = q.shape
     Hkv = int(num_kv_heads)
     if Hq % Hkv:
@@ -270,6 +280,15 @@ def select_topk_triton(scores: torch.Tensor, num_candidates: torch.Tensor, k: in
                           out.stride(0), out.stride(1), HKV=H, J_PAD=J_PAD, K_PAD=K_PAD,
                           num_warps=nw)
     return out, num_valid
+
+
+def rank_topk(scores: torch.Tensor, num_candidates: torch.Tensor, k: int, *, backend: str = "auto",
+              with_valid: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The top-``k`` candidate columns of each row, best first, ``-1`` padded: :func:`select_topk_triton` (one
+    launch) or, with ``backend="ref"`` (and ``"auto"`` off CUDA), :func:`select_topk` (the same int32 ids)."""
+    if _use_triton(backend, scores):
+        return select_topk_triton(scores, num_candidates, k, with_valid=with_valid)
+    return select_topk(scores, num_candidates, k)
 
 
 def score_topk(q: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Per (request, KV head) row of a layer, given the predicted top-K blocks of the next step:
 
-1. Algorithm 2 (:func:`oasiskv_runtime.sparse.selector_torch.select_batched`): hits refresh their slot's
+1. Algorithm 2 (:func:`oasiskv_runtime.ops.select_rows.select_batched`): hits refresh their slot's
    recency, missing blocks are admitted up to the cap ``C`` into empty slots first, then into the least
    recently selected ones; the per-head map (``slot_map``) and the recency stamps (``last_sel``) of the row
    are rewritten in place.
@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
-from oasiskv_runtime.sparse.selector_torch import select_rows
+from oasiskv_runtime.ops.select_rows import select_rows
 
 __all__ = ["select_plan", "select_plan_ref"]
 

@@ -16,6 +16,7 @@ Both loops are single-threaded over the engine; socket readers only queue messag
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import time
@@ -25,16 +26,16 @@ from typing import Any
 
 import torch
 
-from oasiskv_runtime.attention.dense import PagedKVCache
-from oasiskv_runtime.config import EngineConfig, Mode
+from oasiskv_runtime.config import PD_TRANSFERS, EngineConfig, Mode
 from oasiskv_runtime.engine.kv_cache_manager import cdiv
 from oasiskv_runtime.engine.llm_engine import LLMEngine
 from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.pd import protocol
 from oasiskv_runtime.pd.remote import RemoteKV, block_ops
 from oasiskv_runtime.sampling_params import SamplingParams
+from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 
-TRANSFERS = ("rpf", "full")
+TRANSFERS = PD_TRANSFERS
 TOKEN_STATE_DRAFTS = ("ngram", "oracle")
 
 
@@ -55,8 +56,7 @@ def prefill_config(decode: EngineConfig) -> EngineConfig:
     """The prefill side runs the decode side's host-pool mode (so its working-set fill is exactly what the
     decode side continues from); for a dense decode side, proxy-prefetch (nothing sparse is used)."""
     mode = decode.mode if decode.mode.uses_host_pool else Mode.PROXY_PREFETCH
-    return EngineConfig(model=decode.model, device=decode.device, dtype=decode.dtype, mode=mode, seed=decode.seed,
-                        cache=decode.cache, sparse=decode.sparse, scheduler=decode.scheduler)
+    return dataclasses.replace(decode, mode=mode)
 
 
 def kv_regions(cache: PagedKVCache) -> list[torch.Tensor]:
@@ -87,7 +87,7 @@ class PrefillWorker:
         self.engine = LLMEngine(config, preloaded)
         self.name = f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.transport = make_transport(transport, self.name, host=host)
-        self.transport.register(kv_regions(self.engine.backend.host_cache))
+        self.transport.register(kv_regions(self.engine.backend.pool.host))
         self.inbox: queue.Queue = queue.Queue()
         self.listener = protocol.listen(host, port)
         self.address = f"{host}:{self.listener.address[1]}"
@@ -234,10 +234,10 @@ class DecodeWorker:
         self.transport = make_transport(transport, self.name, host=host)
         mc, bs = self.engine.model_config, config.cache.block_size
         if config.mode.uses_host_pool:
-            store = self.engine.backend.host_cache
+            store = self.engine.backend.pool.host
             self.remote: RemoteKV | None = RemoteKV(self.transport, mc.num_layers, store.k[0].shape[0],
                                                     _layer_block_bytes(store), timeout_s)
-            self.engine.backend.remote = self.remote
+            self.engine.backend.pipeline.remote = self.remote
         else:
             # Dense decode: a landing buffer in host memory for one prompt; blocks then go to device blocks.
             max_blocks = cdiv(self.engine.max_model_len, bs)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    config = config_from_dict(json.loads(a.config))
+    config = EngineConfig.from_dict(json.loads(a.config))
     try:
         if a.role == "decode":
             w: Any = DecodeWorker(config, a.transport, a.host, a.port, a.timeout)
@@ -454,15 +454,6 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, a.ready_file)
     w.serve()
     return 0
-
-
-def config_from_dict(d: dict[str, Any]) -> EngineConfig:
-    from oasiskv_runtime.config import CacheConfig, SchedulerConfig, SparseConfig
-
-    d = dict(d)
-    return EngineConfig(model=d.pop("model"), device=d.pop("device"), dtype=d.pop("dtype"), mode=d.pop("mode"),
-                        seed=d.pop("seed"), cache=CacheConfig(**d.pop("cache")), sparse=SparseConfig(**d.pop("sparse")),
-                        scheduler=SchedulerConfig(**d.pop("scheduler")))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Plain-PyTorch attention used by every reference path, so dense and sparse references share numerics."""
+"""Plain-PyTorch attention of one sequence: the reference every path shares (so dense and sparse references have
+the same numerics), and its torch SDPA counterpart on CUDA. ``backend``: ``"auto"`` (SDPA on CUDA, the reference on
+the CPU) or ``"ref"`` (the reference everywhere)."""
 
 from __future__ import annotations
 
@@ -60,9 +62,9 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference arithmetic on CPU (exact parity tests), SDPA on CUDA."""
-    if q.is_cuda:
+           allowed: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """Reference arithmetic on CPU (exact parity tests) and with ``backend="ref"``, SDPA on CUDA."""
+    if q.is_cuda and backend != "ref":
         return attend_fast(q, k, v, scale, allowed)
     return attend_ref(q, k, v, scale, allowed)
 
@@ -108,18 +110,20 @@ def _lower_right_flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     return ok
 
 
-def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "auto"
+                   ) -> torch.Tensor:
     """Causal attention of the LAST ``nq`` positions of an ``nk``-token sequence (a prefill chunk over its
     context: query i sees keys ``0 .. nk - nq + i``); q [nq, Hq, D], k/v [nk, Hkv, D] -> [nq, Hq, D].
 
-    CPU: :func:`attend_ref` with the explicit ``causal_allowed`` mask (bit-parity with transformers). CUDA:
+    CPU, and ``backend="ref"``: :func:`attend_ref` with the explicit ``causal_allowed`` mask (bit-parity with
+    transformers). CUDA:
     no ``[nq, nk]`` mask is built when it can be avoided: a chunk that is the whole sequence uses SDPA's
     ``is_causal``; a later chunk uses flash attention's bottom-right causal mode (memory O(nq + nk), never
     ``[Hq, nq, nk]`` scores); float32 (no flash) falls back to SDPA with the boolean mask. At float32 both SDPA calls
     run the memory-efficient kernel (:func:`sdpa_gqa`).
     """
     nq, nk = q.shape[0], k.shape[0]
-    if not q.is_cuda:
+    if not q.is_cuda or backend == "ref":
         return attend_ref(q, k, v, scale, causal_allowed(nq, nk, q.device) if nq > 1 else None)
     if nq == 1:
         return attend_fast(q, k, v, scale)

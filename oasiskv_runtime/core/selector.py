@@ -1,7 +1,7 @@
 """Incremental block selection with bounded eviction (SPEC item 4, the paper's Algorithm 2).
 
 This is the plain-Python *reference* for one (request, layer, KV head) at one decode step. It is the
-oracle the batched tensor version (:mod:`oasiskv_runtime.sparse.selector_torch`) is tested against, so
+oracle the batched tensor version (:mod:`oasiskv_runtime.ops.select_rows`) is tested against, so
 it favours obviously-correct code over speed. It must not import torch: it is also used by host-side
 simulators and tests that run without an accelerator stack.
 

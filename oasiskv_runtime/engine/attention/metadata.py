@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,3 +50,5 @@ class StepMetadata:
     """[S] rows whose logits are sampled (the last computed row of each completing request)."""
     step: int = 0
     extra: dict = field(default_factory=dict)
+    sparse: Any = None
+    """The sparse modes' inputs of this step (``engine.attention.sparse_step.SparseStep``), built with it."""

@@ -1,6 +1,6 @@
 """Batched, device-resident Algorithm 2 (SPEC item 4): incremental selection + bounded eviction.
 
-Same semantics as the reference :func:`oasiskv_runtime.sparse.selector.select_head`, applied to ``N``
+Same semantics as the reference :func:`oasiskv_runtime.core.selector.select_head`, applied to ``N``
 independent rows at once (one row per (request, KV head) of one layer). Everything stays on the tensor's
 device: there is no ``.item()`` / ``.tolist()`` / data-dependent Python control flow, so the selection
 stage of the per-layer pipeline can be enqueued on a background CUDA stream without host round trips.

@@ -1,0 +1,88 @@
+"""The per-head KV map over paged attention (SPEC item 5), and the request rows of every per-request tensor.
+
+Page tables stay as they are. In between sits, per request and layer, one row per KV head: which logical block of
+the full-KV pool each of the working set's ``K`` device slots holds (``slot_map``), and the last step each slot's
+block was selected (``last_sel``, the recency Algorithm 2 evicts by). Updating a selection rewrites only these rows
+and the slots' contents. Under tensor parallelism each rank holds the rows of its own heads: no map sync.
+
+Requests get a state row when their sparse state starts (prefill completes, or a peer hands them over) and give it
+back when they leave; the row indexes ``slot_map``/``last_sel`` and the copy counters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HeadMap:
+    """``slot_map`` / ``last_sel``: ``[max_rows, num_layers, Hkv, K]`` int64 on ``device`` (None in modes whose
+    working set is the whole device-resident context: ``with_map=False``)."""
+
+    def __init__(self, max_rows: int, num_layers: int, num_kv_heads: int, k_slots: int, device: torch.device,
+                 with_map: bool = True) -> None:
+        self.k_slots = k_slots
+        shape = (max_rows, num_layers, num_kv_heads, k_slots)
+        self.slot_map = torch.full(shape, -1, dtype=torch.long, device=device) if with_map else None
+        """Logical block held by each working-set slot, -1 empty."""
+        self.last_sel = torch.full(shape, -1, dtype=torch.long, device=device) if with_map else None
+        """Step at which each slot's block was last selected or admitted, -1 never."""
+        self.rows: dict[int, int] = {}
+        self.free_rows = list(range(max_rows))
+        self.ready: set[int] = set()
+        """Requests whose working set is filled: their decode steps run sparse."""
+
+    def row(self, seq_id: int) -> int:
+        """The request's state row (taken on first use)."""
+        r = self.rows.get(seq_id)
+        if r is None:
+            if not self.free_rows:
+                raise RuntimeError("OasisKV head map: more running requests than state rows")
+            r = self.rows[seq_id] = self.free_rows.pop()
+        return r
+
+    def free(self, seq_id: int) -> int | None:
+        """Give a request's row back (its map rows emptied); returns the row, None if it had none."""
+        row = self.rows.pop(seq_id, None)
+        self.ready.discard(seq_id)
+        if row is None:
+            return None
+        if self.slot_map is not None:
+            self.slot_map[row] = -1
+            self.last_sel[row] = -1
+        self.free_rows.append(row)
+        return row
+
+    def clear(self, layer: int, rows: torch.Tensor) -> None:
+        """Empty one layer's map rows of ``rows`` ([n] on the map's device) before they are filled again."""
+        # index_fill_, not `[rows, layer] = -1`: that assignment copies the -1 up as a pageable 0-dim tensor, a host
+        # sync in the middle of the layer loop.
+        self.slot_map[:, layer].index_fill_(0, rows, -1)
+        self.last_sel[:, layer].index_fill_(0, rows, -1)
+
+    def block_ids(self, layer: int, batch) -> torch.Tensor:
+        """The device block behind each working-set slot of each KV head, ``[B, Hkv, K]`` (``-1``: empty slot): what
+        the sparse attention reads for ``batch`` (a ``DecodeBatch``) at this layer."""
+        smap = self.slot_map[batch.state_rows, layer]                            # [B, Hkv, K]
+        slots = batch.derived("slots_i32", lambda: batch.slot_blocks.int()[:, None, :])
+        return torch.where(smap >= 0, slots.expand(smap.shape), -1)
+
+    def export(self, seq_id: int, step: int) -> dict:
+        """A request's map (``[L, Hkv, K]`` on the CPU) with selection stamps relative to ``step``, for a peer that
+        continues it (prefill-decode)."""
+        row = self.rows[seq_id]
+        last = self.last_sel[row]
+        return {"slot_map": self.slot_map[row].to("cpu", copy=True),  # a copy: the row is reset on release
+                "last_sel": torch.where(last >= 0, last - (step - 1), torch.full_like(last, -1)).cpu(),
+                "top_k_blocks": self.k_slots}
+
+    def import_(self, seq_id: int, state: dict, step: int) -> int:
+        """Install a map :meth:`export` made on a peer, stamps rebased on ``step``; returns the request's row."""
+        if state["top_k_blocks"] != self.k_slots:
+            raise ValueError(f"prefill peer selects {state['top_k_blocks']} blocks per head, this engine "
+                             f"{self.k_slots}: both sides need the same top_k_blocks")
+        row = self.row(seq_id)
+        dev = self.slot_map.device
+        last = state["last_sel"].to(dev)
+        self.slot_map[row] = state["slot_map"].to(dev)
+        self.last_sel[row] = torch.where(last >= 0, last + (step - 1), torch.full_like(last, -1))
+        return row

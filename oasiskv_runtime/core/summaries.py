@@ -1,0 +1,51 @@
+"""Compressed key summaries (SPEC item 2, Quest): per logical block and KV head, the element-wise min and max of
+the block's keys, two rows per block (1/16 of the full KV at block size 16).
+
+Where they live: rows of per-layer ``[num_blocks, block_size, Hkv, D]`` tensors, ``block_size`` summary rows per
+block. The embedded engine keeps them in blocks of its device KV cache (mins in the K tensor, maxes in the V
+tensor), so they count against the same device budget as the working sets; a request's summary blocks are listed
+in ``DecodeBatch.summary_table``. They stay on the device: prediction reads them there, and only a hand-off to a
+peer (prefill-decode) copies them out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oasiskv_runtime.core.batch import SummaryWrites
+from oasiskv_runtime.ops.summary_update import update_summaries, update_summaries_runs
+
+
+class KeySummaries:
+    """``mins[l]`` / ``maxs[l]``: layer ``l``'s summary storage, ``[num_blocks, block_size, Hkv, D]``."""
+
+    def __init__(self, mins: list[torch.Tensor], maxs: list[torch.Tensor], backend: str = "auto") -> None:
+        self.mins, self.maxs, self.backend = mins, maxs, backend
+        self.num_layers = len(mins)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``(mins, maxs)`` storage (the scoring kernels index it by summary table)."""
+        return self.mins[layer], self.maxs[layer]
+
+    def update(self, layer: int, k_new: torch.Tensor, writes: SummaryWrites) -> None:
+        """Fold this step's written keys ``k_new: [n, Hkv, D]`` into their blocks' summaries (in place)."""
+        if writes.runs is not None:
+            update_summaries_runs(k_new, *writes.runs, self.mins[layer], self.maxs[layer], backend=self.backend)
+        elif writes.rows is not None and writes.rows.numel():  # decode rows only: one token per summary row
+            update_summaries(k_new, writes.rows, writes.reset, self.mins[layer], self.maxs[layer],
+                             assume_distinct=True, backend=self.backend)
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, *t.shape[2:])
+
+    def write(self, rows: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> None:
+        """Summaries made elsewhere, ``[L, n, Hkv, D]``, into flat rows ``rows: [n]`` of every layer (a request
+        handed over by a prefill peer, or the shared prefix of a prefix-cache hit)."""
+        for layer in range(self.num_layers):
+            for store, src in ((self.mins[layer], mins), (self.maxs[layer], maxs)):
+                self._flat(store)[rows] = src[layer].to(store.device, store.dtype)
+
+    def export(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows: [n]`` of every layer as ``([L, n, Hkv, D], [L, n, Hkv, D])`` CPU tensors (mins, maxs)."""
+        pick = lambda stores: torch.stack([self._flat(s)[rows] for s in stores]).cpu()  # noqa: E731
+        return pick(self.mins), pick(self.maxs)

@@ -1,0 +1,304 @@
+"""The embedded engine's attention backend for every sparse mode: an adapter from the engine's step (``meta.sparse``,
+built by the model runner) to the OasisKV core (``oasiskv_runtime/core``). Per decode step and layer:
+
+1. the step's new K/V go to the full-KV store (device blocks for sparse-resident, the pool for host-pool modes), the
+   working set's local block and the key summaries;
+2. sparse-resident and fetch-on-demand predict each KV head's attention set now (fetch-on-demand copies the missing
+   blocks first); proxy-prefetch and oasiskv attend over what the previous step prefetched (``pipeline.wait``);
+3. one attention call covers the normal row and, in oasiskv, the draft row (look-ahead attention);
+4. proxy-prefetch / oasiskv hand the layer to the pipeline (predict the next step's top-K, select, copy).
+
+Prefill is dense over the full-KV store; at its end the working set is filled from the last prompt token's (or the
+draft's) prediction without a cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from oasiskv_runtime.config import EngineConfig, Mode
+from oasiskv_runtime.core.batch import DecodeBatch, summary_rows
+from oasiskv_runtime.core.head_map import HeadMap
+from oasiskv_runtime.core.link_cap import LinkCap
+from oasiskv_runtime.core.pipeline import LookaheadPipeline
+from oasiskv_runtime.core.predictor import Predictor, resident_block_ids
+from oasiskv_runtime.core.stats import SparseStats
+from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
+from oasiskv_runtime.engine.attention.prefill import ContextAttention
+from oasiskv_runtime.engine.attention.sparse_step import SparseStep
+from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
+from oasiskv_runtime.transfer.engine import TransferEngine
+from oasiskv_runtime.transfer.host_pool import HostKVPool
+from oasiskv_runtime.transfer.paged_kv import PagedKVCache
+from oasiskv_runtime.transfer.prefill_io import PrefillPoolIO
+
+
+class OasisKVAttention:
+    device_prefill: bool | None = None
+    """Prefill (and dense-layer) attention reads the context with device ops only (no host sync, no host-side read
+    of the pool). None: on CUDA. The host path stays the CPU reference (bit-parity with transformers)."""
+
+    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 device_cache: PagedKVCache, pool: HostKVPool | None, scale: float, max_rows: int) -> None:
+        self.mode, self.device = config.mode, torch.device(config.device)
+        self.sparse, self.kernels, self.debug = config.sparse, config.kernels, config.debug
+        self.num_layers, self.dev_cache, self.pool, self.scale = num_layers, device_cache, pool, scale
+        backend = self.kernels.backend
+        k_slots = self.sparse.top_k_blocks
+        self.stats = SparseStats(num_layers, 2 * device_cache.block_size * head_dim * device_cache.k[0].element_size())
+        self.head_map = HeadMap(max_rows, num_layers, num_kv_heads, k_slots, self.device, self.mode.uses_host_pool)
+        self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
+                                   self.sparse.sink_blocks, backend)
+        self.pipeline = self.io = None
+        if self.mode.uses_host_pool:
+            # The pipeline's streams and per-layer events exist on CUDA with the kernels; elsewhere the same calls
+            # run in order on the current stream.
+            background = self.device.type == "cuda" and backend == "auto"
+            transfer = TransferEngine(pool, device_cache, num_layers, max_rows, self.device, backend, background)
+            self.pipeline = LookaheadPipeline(self.head_map, self.predictor, transfer, self.stats, self.kernels,
+                                              self.debug)
+            self.io = PrefillPoolIO(pool, num_layers, self.device, side_streams=background)
+        self.context = ContextAttention(device_cache, pool, self.io, scale, backend)
+        prefetched = num_layers - self.sparse.dense_layers
+        self.link_cap = LinkCap(k_slots, num_kv_heads * prefetched * self.stats.bytes_per_head_block)
+        self.step_cap = self.sparse.fetch_cap
+        """This step's admission cap per (request, KV head) for the prefetch (:meth:`new_step`)."""
+        self.step: SparseStep | None = None
+
+    @property
+    def summaries(self) -> KeySummaries:
+        return self.predictor.summaries
+
+    @property
+    def background(self) -> bool:
+        return self.pipeline is not None and self.pipeline.background
+
+    def configure(self, **options) -> None:
+        """Change sparse / kernel / debug options between steps (A/B benchmarks on one engine)."""
+        specs = EngineConfig.options()
+        for key, value in options.items():
+            section = specs[key].section if key in specs else None
+            if section not in ("sparse", "kernels", "debug"):
+                raise ValueError(f"{key} cannot change on a running engine")
+            setattr(self, section, dataclasses.replace(getattr(self, section), **{key: value}))
+        self.predictor.sink_blocks = self.sparse.sink_blocks
+        if self.pipeline is not None:
+            self.pipeline.kernels, self.pipeline.debug = self.kernels, self.debug
+        self.step_cap = self.sparse.fetch_cap
+
+    # ---- request lifecycle ------------------------------------------------------------------------------------
+    def free_request(self, seq_id: int) -> None:
+        row = self.head_map.free(seq_id)
+        if self.pipeline is not None:
+            if row is not None:
+                self.stats.add_request_fetched(seq_id, self.pipeline.transfer.counters.take_request(row))
+            if self.pipeline.remote is not None:
+                self.pipeline.remote.forget(seq_id)
+
+    # ---- prefill-decode hand-off ------------------------------------------------------------------------------
+    def export_request(self, seq_id: int, blocks, context_len: int, step: int) -> dict:
+        """What a decode peer needs to continue a request prefilled here (``blocks``: its ``RequestBlocks``): the
+        key summaries of every block and the per-head map filled at the end of prefill, stamps relative to
+        ``step``."""
+        if not self.mode.uses_host_pool:
+            raise ValueError(f"export_request needs a host-pool mode, not {self.mode.value}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        bs = self.dev_cache.block_size
+        return self.pipeline.export(seq_id, summary_rows(blocks.summary_blocks, -(-context_len // bs), bs, self.device),
+                                    step)
+
+    def import_request(self, seq_id: int, blocks, context_len: int, state: dict, step: int) -> None:
+        """Install a request prefilled by a peer (its prompt KV already in the pool, at least the blocks of
+        ``state["slot_map"]`` and the partial last block): summaries, the per-head map, the working set."""
+        if not self.mode.uses_host_pool:
+            raise ValueError(f"import_request needs a host-pool mode, not {self.mode.value}")
+        if self.pool.tier_first is not None:
+            raise ValueError("a request prefilled by a peer arrives in the host pool: not supported with a "
+                             "device tier (device_tier)")
+        if self.sparse.dense_layers:
+            raise ValueError("dense_layers read every block of the context: not supported for a request "
+                             "prefilled by a peer")
+        bs = self.dev_cache.block_size
+        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        self.pipeline.install(seq_id, state, summary_rows(blocks.summary_blocks, -(-context_len // bs), bs, self.device),
+                              long(blocks.host_blocks), long(blocks.ws_blocks[1:]), step)
+        tail = [(SeqSlice(seq_id, 0, 0, context_len, blocks.host_blocks), blocks.ws_blocks[0])]
+        for layer in range(self.num_layers):  # the partial last block into the local block
+            self.context.copy_tails(layer, tail, device_path=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.head_map.ready.add(seq_id)
+
+    # ---- per step -------------------------------------------------------------------------------------------------
+    def new_step(self, sched) -> None:
+        """A step starts (before its graph key is taken): its prefetch cap, from ``link_gbps`` and the measured step
+        times, or the fixed ``fetch_cap``."""
+        if not self.mode.prefetches:  # the other modes never read it: keep their graph keys fixed
+            return
+        decode = sum(1 for s in sched.scheduled if s.is_decode)
+        self.step_cap = self.link_cap.new_step(decode, decode == len(sched.scheduled), self.sparse.fetch_cap,
+                                               self.sparse.link_gbps)
+
+    def begin_step(self, meta: StepMetadata) -> None:
+        if self.background:
+            # Last step's batch tensors are freed once this step's replace them, and their memory reused on this
+            # stream: order it after every background job that read them (a GPU-side wait, not a host sync).
+            self.pipeline.transfer.wait_all()
+        self.meta, step = meta, meta.sparse
+        self.step, self.context.memo = step, {}
+        for rows, mins, maxs in step.summary_imports:
+            self.summaries.write(rows, mins, maxs)
+        self.stats.begin_step(len(step.decode_slices))
+        if self.io is not None:
+            self.io.reset()
+            device_path = self._use_device_prefill(meta.input_ids)
+            if step.prefill and self.kernels.copy_engine_prefill and device_path and \
+                    (self.background or self.device.type == "cpu"):
+                self.io.plan(step.prefill, [s.query_start for s in step.decode_slices])
+
+    def _use_device_prefill(self, t: torch.Tensor) -> bool:
+        return self.device_prefill if self.device_prefill is not None else t.is_cuda
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        step, meta = self.step, self.meta
+        w = step.written
+        kw, vw = k[w], v[w]  # this step's written rows: the pool write, the local block and the summaries read them
+        if self.io is not None and self.io.active:
+            self.io.write(layer, k, v, meta.slot_mapping)
+        elif self.pool is not None:
+            rows = self.context.memo.get("pool_rows")
+            if rows is None:  # made once per step, by the first layer (inside a captured graph too)
+                rows = self.context.memo["pool_rows"] = meta.slot_mapping[w]
+            self.pool.write_rows(layer, kw, vw, rows)
+        else:
+            self.dev_cache.write(layer, meta.slot_mapping[w], kw, vw)
+        b = step.decode
+        if self.pipeline is not None:
+            self.pipeline.wait(layer)  # layer-local sync
+        if b is not None and b.local_rows is not None:
+            same = b.q_rows is w  # the static layout writes exactly the decode rows
+            self.dev_cache.write(layer, b.local_rows, kw if same else k[b.q_rows], vw if same else v[b.q_rows])
+        self.summaries.update(layer, kw, step.writes)
+        if self.io is not None:
+            self.io.issue_reads(layer + 1)  # the next layer's prefixes, while this one computes
+        out = torch.empty_like(q)
+        dense_layer = layer < self.sparse.dense_layers
+        device_path = self._use_device_prefill(q)
+        for s in step.prefill + (step.decode_slices if dense_layer else []):
+            self.context.attend(layer, s, q, k, v, out, device_path)
+        if b is not None and not dense_layer:
+            self._sparse_decode(layer, b, q, k, v, out)
+        if b is not None and self.mode.prefetches:
+            self.pipeline.prefetch(layer, b, q[b.pred_rows()], self.step_cap)
+        if step.fill is not None:
+            self.io.wait(self.io.write_event)  # the chunk's rows must be in the pool before the first fill reads them
+            self.pipeline.fill(layer, step.fill, q[step.fill.q_rows])
+            self.context.copy_tails(layer, step.fill_tails, device_path)
+        return out
+
+    def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        # The normal and draft queries of each request, stacked, in one index op: [B, 2, Hq, D].
+        qd_rows = b.qd_rows()
+        qs = q[qd_rows].view(b.q_rows.numel(), 2, *q.shape[1:])
+        q_norm = qs[:, 0]
+        if self.mode is Mode.SPARSE_RESIDENT:
+            block_ids = resident_block_ids(self.predictor.predict(layer, q_norm, b, next_step=False), b.primary_table)
+        else:
+            if self.mode is Mode.FETCH_ON_DEMAND:
+                pred = self.predictor.predict(layer, q_norm, b, next_step=False)
+                cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
+                self.pipeline.fetch(layer, b, pred, cap)
+            elif self.debug.measure_recall:
+                self.pipeline.record_recall(layer, b, q_norm)
+            block_ids = self.head_map.block_ids(layer, b)
+        res = sparse_decode_attention(qs, self.dev_cache.k[layer], self.dev_cache.v[layer], block_ids.int(),
+                                      b.derived("local_block_i32", lambda: b.local_block.int()),
+                                      b.derived("local_len_i32", lambda: b.local_len.int()), self.scale,
+                                      k[b.draft_rows], v[b.draft_rows], backend=self.kernels.backend)
+        if b.separate_draft_rows:  # every request has its own draft row: both outputs in one index op
+            out[qd_rows] = res.flatten(0, 1)
+            return
+        out[b.q_rows] = res[:, 0]
+        # Requests without a draft have draft_rows == q_rows: write their normal output again rather than
+        # boolean-index (which would synchronise with the host).
+        out[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0])
+
+    def end_step(self) -> None:
+        step = self.step
+        if step is not None and not step.static:
+            decode = {s.seq_id for s in step.decode_slices}
+            for s in step.prefill:
+                if s.completes and s.seq_id not in decode:
+                    self.head_map.row(s.seq_id)
+                    self.head_map.ready.add(s.seq_id)
+        if self.io is not None:
+            self.io.join()
+            self.io.reset()
+        if self.pipeline is not None:
+            self.pipeline.transfer.end_step(self.kernels.pipeline_priority)
+        self.meta = self.step = None
+
+    # ---- the static layout of decode-only steps (engine/cuda_graphs.py) ---------------------------------------------
+    def graph_unsupported(self) -> str | None:
+        """Why decode steps cannot run on the static layout / CUDA graphs now (None: they can)."""
+        if self.pipeline is not None and self.pipeline.remote is not None:
+            return "prefill-decode remote KV (cache misses are checked on the host)"
+        if self.debug.measure_recall:
+            return "measure_recall (recall is accumulated on the host)"
+        if self.sparse.dense_layers:
+            return "dense_layers (they read each request's whole context by its block list)"
+        if self.device.type == "cuda" and self.kernels.backend == "ref":
+            return "backend='ref' on CUDA (the reference ops read back from the device)"
+        return None
+
+    def graph_ready(self, seq_ids: list[int]) -> bool:
+        return self.graph_unsupported() is None and all(i in self.head_map.ready for i in seq_ids)
+
+    def graph_key(self) -> tuple:
+        """Python values a captured step bakes in besides the batch shape."""
+        k = self.kernels
+        return (self.step_cap, self.debug.disable_transfers, self.sparse.fetch_on_demand_cap, self.sparse.sink_blocks,
+                k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
+
+    def graph_join(self) -> None:
+        """Make the current stream wait for the background streams (a captured step must end joined)."""
+        if self.background and self.mode.prefetches:  # fetch-on-demand never forks onto them
+            self.pipeline.transfer.join(self.kernels.pipeline_priority)
+
+    def graph_replayed(self) -> None:
+        """Forget the per-layer copy events (after a replay, which ended joined on the current stream; before a
+        capture, which cannot wait on events recorded outside it). A capture re-runs the step that just ran eagerly,
+        with the same inputs: the tensors made from them once per step must be made again inside the capture, or
+        the graph would read the eager run's copies (outside its pool, never rewritten) on every replay."""
+        if self.pipeline is not None:
+            self.pipeline.transfer.forget()
+        if self.step is not None and self.step.decode is not None:
+            self.step.decode.forget_derived()
+        self.context.memo = {}
+
+    before_capture = graph_replayed
+
+    # ---- reporting ----------------------------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        """Zero the traffic and recall counters (benchmarks measure a window of steps)."""
+        self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
+        self.link_cap.reset_counts()
+        if self.pipeline is not None:
+            self.pipeline.stats = self.stats
+            self.pipeline.forget_recall()
+            self.pipeline.transfer.settle(self.kernels.pipeline_priority)  # its counting is done
+            self.pipeline.transfer.counters.reset()
+
+    def run_stats(self) -> dict:
+        out = self.stats.run_stats(self.pipeline.transfer.counters.totals() if self.pipeline is not None else None)
+        if self.mode.prefetches:
+            out["mean_fetch_cap"] = self.link_cap.mean_cap()
+        return out
+
+    def request_metrics(self, seq_id: int) -> dict:
+        return self.stats.request_metrics(seq_id)
