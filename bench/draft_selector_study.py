@@ -2,13 +2,13 @@
 draft, by either, and by rules that pick one of the two per step from what the engine knows at that step (the
 head's top-1 probability, the n-gram's suffix match length)?
 
-Prediction recall follows draft accuracy (bench/NOTES.md), so a better pick between two drafts that are right on
+Prediction recall follows draft accuracy (docs/benchmarks.md), so a better pick between two drafts that are right on
 different tokens is a cheap way to raise it. Rules are tuned on half of the windows and scored on the other half.
 
 Setup: essay windows from the heads' holdout (the first 8,192 essay tokens); the prefix is essay text, then the
 model's own greedy continuation of ``--steps`` tokens (what serving sees), scored there.
 
-    python bench/draft_selector_study.py --windows 8 --length 1024 --steps 128 --out bench/draft-selector-study.json
+    python bench/draft_selector_study.py --windows 8 --length 1024 --steps 128 --out draft-selector-study.json
 """
 
 from __future__ import annotations

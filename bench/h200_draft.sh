@@ -23,8 +23,8 @@ OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT" /tmp/logs
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/run.log"; }
-# Knobs (seconds are wall time on the device). Measured in run 1 (2026-11-29, bench/NOTES.md): install +
-# GGUF conversion 57 s; dense generation of one 512-sample round of 256 new tokens 236 s (0.9 s per step,
+# Knobs (seconds are wall time on the device). Measured in run 1 (2026-11-29; `git show fc56694:bench/NOTES.md`):
+# install + GGUF conversion 57 s; dense generation of one 512-sample round of 256 new tokens 236 s (0.9 s per step,
 # beside the baseline recalls); capture of 414 windows 17 s; held-out scoring 3 s; the head's recalls 35 s
 # (2K and 4K in parallel); baselines 2K 89 s, 4K 64 s. The defaults below are the plan for run 2: baselines
 # already measured (BASELINES=0), generation cut at 150 s, training until 380 s after train-draft starts.

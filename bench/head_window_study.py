@@ -1,10 +1,10 @@
-"""Where in a long window do trained EAGLE-3 heads go wrong? (bench/NOTES.md, 2026-12-02)
+"""Where in a long window do trained EAGLE-3 heads go wrong? (docs/benchmarks.md, "Draft and recall")
 
 Teacher-forced held-out essays (the first 16,384 tokens of the stream `oasisbench recall` reads: 4 windows of
 4,096), SmolLM2-135M real weights, float32, on the CPU. For each head and sliding window, the head's top-1 guess
 vs the target's greedy token, bucketed by position (0-1K, 1-2K, 2-3K, 3-4K).
 
-    python bench/head_window_study.py HEAD_DIR [HEAD_DIR ...] --windows 0,2048,1024 --out bench/head-window-study.json
+    python bench/head_window_study.py HEAD_DIR [HEAD_DIR ...] --windows 0,2048,1024 --out head-window-study.json
 (0 = no window: every cached position.)
 """
 
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--windows", default="0,2048,1024")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--texts", type=int, default=4)
-    ap.add_argument("--out", default="bench/head-window-study.json")
+    ap.add_argument("--out", default="head-window-study.json")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     target, tok, mc = load_model("smollm2-135m", "cpu", "float32", seed=0)

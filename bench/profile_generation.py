@@ -1,4 +1,4 @@
-"""Where the time of train-draft's self-distillation generation goes (bench/NOTES.md, 2026-12-02).
+"""Where the time of train-draft's self-distillation generation goes (docs/benchmarks.md, "Kernels").
 
 The same engine set-up and requests as ``train-draft``'s generation (dense, float32, ``--batch`` requests at once,
 16,384 batched tokens per step, excerpts of 128-1,024 essay tokens, a quarter each greedy / chat / sampled),

@@ -4,7 +4,7 @@ A tiny random Qwen3 (2 layers; written to --model-dir once) keeps the model's ow
 shows the engine's per-request Python: scheduling, the draft, laying the step out on the static buffers.
 ``python bench/profile_host.py --mode oasiskv --batch 57`` prints ms per step and our functions by cumulative time
 (cProfile over --steps decode steps, after every prompt is prefilled). CPU timings say where host time goes and
-compare two trees on one machine; they are not the GPU host's figures (bench/NOTES.md)."""
+compare two trees on one machine; they are not the GPU host's figures (docs/benchmarks.md, "Host-side costs")."""
 from __future__ import annotations
 
 import argparse

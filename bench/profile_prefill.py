@@ -1,6 +1,6 @@
 """Where a prefill step's time goes, per mode: the engine's own steps under torch.profiler (random weights).
 
-In the end-to-end runs (bench/NOTES.md, "Padded batch buckets") an oasiskv step that carries an 8,192-token
+In the end-to-end runs (docs/benchmarks.md, "Prefill path") an oasiskv step that carries an 8,192-token
 prefill chunk costs ~200 ms more than dense's. This script runs the same kind of step in each mode in one
 process and prints, per mode: the wall time of every step (prefill or decode), then the profiler's top ops by
 GPU time and by host time over the profiled steps.

@@ -17,7 +17,7 @@ Recall = |predicted top-K & the real next query's top-K| / K, mean over layers, 
 is the current token's query (position t). The continuation is the model's own greedy text (``--continuation
 self`` of ``oasisbench recall``): the prefix is essay text, then ``--steps`` greedy tokens, scored there.
 
-    python bench/recall_soft_draft.py --context 2048 --texts 4 --top-k 16 --out bench/recall-soft-draft-2k.json
+    python bench/recall_soft_draft.py --context 2048 --texts 4 --top-k 16 --out recall-soft-draft-2k.json
 """
 
 from __future__ import annotations

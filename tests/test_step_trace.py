@@ -121,7 +121,7 @@ def test_interference_table_reads_the_committed_runs():
     bk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bk)
     for run, foregrounds in (("run3-hints-e77f462", 2), ("run4-attn-configs-39b696a", 5)):
-        res = json.loads((root / "bench" / "overlap-h200" / run / "kernels.json").read_text())
+        res = json.loads((root / "results" / "bench-overlap-h200" / run / "kernels.json").read_text())
         lines = list(bk.interference_lines(res["gather_interference"]))
         assert sum(" alone " in x and "ms" in x and "gather" not in x for x in lines) == foregrounds
         rows = [x for x in lines if "ms lost per GB" in x]

@@ -246,7 +246,8 @@ def warm_up(llm: Any, point: dict[str, Any]) -> None:
     measured point of each engine. Its prompt is as long as the point's (Triton kernels are compiled per shape
     class: prefill chunks, the context bucket of the prediction kernels); a short one left those compilations in
     the timed run (on the H200 a process's first oasiskv point ran 24% slower than the next one, whose gather
-    setting alone was worth ~5%: bench/NOTES.md). The counted metrics (tokens, bytes, batches) are unchanged."""
+    setting alone was worth ~5%: docs/benchmarks.md, "End-to-end capacity"). The counted metrics (tokens, bytes,
+    batches) are unchanged."""
     from oasiskv_runtime import SamplingParams
 
     eng = llm.engine

@@ -240,7 +240,7 @@ class _CausalKV:
         from oasiskv_runtime.ops.attend import attend_prefill
 
         # attend_prefill: the reference arithmetic on the CPU; on CUDA SDPA's causal kernels, never [H, n, n] scores
-        # in float32 (capture's forward was its time: 180 s of 206 for 6,047 windows of run 7, bench/NOTES.md)
+        # in float32 (capture's forward was its time: 180 s of 206 for 6,047 windows of run 7, docs/benchmarks.md)
         self.scale, self._attend, self.lengths = scale, attend_prefill, lengths
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -655,7 +655,7 @@ def train_draft(cfg: TrainDraftConfig, show_progress: bool = True) -> TrainDraft
         rows = cfg.crop_rows or max(1, min(cfg.batch_tokens, min(s["ids"].numel() for s in train) - 1))
         per_step = max(1, cfg.batch_tokens // rows)
         # The head never attends further back than its crop in training; further back it scores worse
-        # (bench/NOTES.md, 2026-12-02), so it keeps to that span at inference too.
+        # (docs/benchmarks.md, "Draft and recall"), so it keeps to that span at inference too.
         head.set_sliding_window(rows)
         note(f"training crops: {per_step} x {rows} head rows per step (the head's sliding window: {rows})")
         warmup = min(100, max(1, cfg.steps // 10))
