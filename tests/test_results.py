@@ -195,6 +195,46 @@ def test_plots_and_report(run_dir: Path) -> None:
     assert f"![roofline]({ROOFLINE_PNG})" in text
 
 
+def test_plots_read_at_a_glance(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plot has numbered axes and one legend entry per mode; the concurrency plots draw one line per mode and
+    context across concurrency (``num_requests`` following the concurrency, as by default, must not split a line
+    into dots), dense on top of oasiskv; every roofline point is labelled with its concurrency."""
+    from oasisbench.results import plots
+
+    run = load_run(run_dir)
+    for r in run.records:
+        r["point"]["num_requests"] = r["point"]["concurrency"]
+    figures: dict[str, Any] = {}
+    real_save = plots._save
+
+    def save(fig: Any, path: Path) -> Path:
+        figures[path.name] = fig
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", save)
+    write_plots(run)
+    assert set(figures) == {THROUGHPUT_PNG, "running_batch_vs_concurrency.png", "tpot_vs_concurrency.png",
+                            ROOFLINE_PNG}
+    for name, fig in figures.items():
+        for ax in fig.axes:
+            for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+                assert len([t for t in labels if t.get_text()]) >= 2, (name, [t.get_text() for t in labels])
+            assert ax.get_xlabel(), name
+        legend = fig.axes[0].get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == list(MODES), name
+        if name == ROOFLINE_PNG:
+            (ax,) = fig.axes
+            assert sorted(t.get_text() for t in ax.texts) == sorted(f"c={c} {ctx // 1024}K" for c in CONCURRENCIES
+                                                                    for ctx in CONTEXTS for _ in MODES)
+            continue
+        assert len(fig.axes) == len(CONTEXTS)  # one panel per context length
+        for ax in fig.axes:
+            lines = {line.get_label(): line for line in ax.get_lines() if line.get_label() in MODES}
+            assert set(lines) == set(MODES)
+            assert all(list(line.get_xdata()) == list(CONCURRENCIES) for line in lines.values())
+            assert lines["dense"].get_zorder() > lines["oasiskv"].get_zorder()
+
+
 def test_plots_skipped_without_matplotlib(tmp_path: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with pytest.warns(UserWarning, match="matplotlib is not installed"):

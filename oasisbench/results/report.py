@@ -209,7 +209,7 @@ def render_report(run: Run, plot_link_prefix: str = "") -> str:
             lines += _table(header, rows) + [""]
 
     if run.path is not None:
-        names = [name for name, _, _ in LINE_PLOTS] + [ROOFLINE_PNG]
+        names = [name for name, *_ in LINE_PLOTS] + [ROOFLINE_PNG]
         plots = [n for n in names if (run.path / n).exists()]
         if plots:
             lines += ["## Plots", ""]
