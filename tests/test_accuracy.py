@@ -251,3 +251,21 @@ def test_link_gbps_option_and_sweep_reach_the_engine(tiny, tmp_path):
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
         assert r.exit_code != 0 and "link" in r.output.replace("-", "_"), (bad, r.output)
         assert not (tmp_path / "bad").exists()
+
+
+def test_lm_eval_records_our_commit_quietly_outside_a_checkout(tmp_path, monkeypatch, capfd):
+    """lm-eval's simple_evaluate runs `git describe` in the current directory with stderr on the terminal: outside
+    a git checkout every accuracy run printed `fatal: not a git repository`. Within quiet_git_hash it gets the
+    commit env.json records instead, and the real lookup is put back after."""
+    import lm_eval.evaluator as evaluator
+
+    from oasisbench.runners.accuracy import quiet_git_hash
+    from oasisbench.runners.throughput import _git_commit
+
+    monkeypatch.chdir(tmp_path)
+    real = evaluator.get_git_commit_hash
+    with quiet_git_hash():
+        recorded = evaluator.get_git_commit_hash()
+    assert evaluator.get_git_commit_hash is real
+    assert recorded == _git_commit()
+    assert "fatal" not in capfd.readouterr().err
