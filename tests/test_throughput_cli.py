@@ -8,6 +8,7 @@ metrics.json with ``failed`` and ``error``, the sweep goes on, and the command e
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -86,6 +87,8 @@ def test_bad_input_exits_2_before_running(tiny, tmp_path, args, message):
     r = runner.invoke(app, ["throughput", "--model", tiny, "--output-dir", str(tmp_path), *SMALL, *args])
     assert r.exit_code == 2, r.output
     assert message in r.output.replace("\n", " ")
+    assert "Traceback" not in r.output
+    assert not any(tmp_path.iterdir())  # no empty run directory left behind
 
 
 def test_budget_too_small_is_a_recorded_failed_point(tiny, tmp_path):
@@ -131,21 +134,61 @@ def test_a_crashing_point_does_not_stop_the_sweep(tiny, tmp_path, monkeypatch):
     assert errors == {1: "AttributeError: a bug in one mode", 2: None}
 
 
-def test_resume_skips_finished_points(tiny, sweep, tmp_path, monkeypatch):
+def test_resume_skips_finished_points_and_refuses_other_flags(tiny, sweep, tmp_path, monkeypatch):
     run_dir = tmp_path / "tp" / sweep.name
     shutil.copytree(sweep, run_dir)
     ran: list[str] = []
     real = tp.run_point
-    monkeypatch.setattr(tp, "run_point",
-                        lambda pp, cache, progress=None, trace=None: ran.append(pp.pid) or real(pp, cache, progress))
+    monkeypatch.setattr(tp, "run_point", lambda pp, cache, progress=None, trace=None, where="":
+                        ran.append(pp.pid) or real(pp, cache, progress, trace, where))
     base = ["throughput", "--model", tiny, "--measure-recall", *SMALL, "--resume", str(run_dir)]
     r = runner.invoke(app, [*base, "--modes", "dense,oasiskv", "--concurrency", "1,2"])
     assert r.exit_code == 0, r.output
     assert ran == []
+    # other flags would mix a second sweep into this run: refused before anything runs, naming what differs
     r = runner.invoke(app, [*base, "--modes", "dense", "--concurrency", "1,2,3"])
+    assert r.exit_code == 2, r.output
+    text = r.output.replace("\n", " ")
+    assert "another configuration" in text and "concurrency (was 1, 2; now 1, 2, 3)" in text
+    assert 'mode (was "dense", "oasiskv"; now "dense")' in text and "output_len" not in text
+    assert ran == [] and len(load_run(run_dir).records) == 4
+
+
+def test_progress_counts_tokens_per_point_and_names_the_run_first(tiny, tmp_path):
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--modes", "dense,oasiskv", "--concurrency", "2",
+                            "--output-dir", str(tmp_path), *SMALL])
     assert r.exit_code == 0, r.output
-    assert len(ran) == 1 and "concurrency=3" in ran[0]
-    assert len(load_run(run_dir).records) == 5
+    lines = r.output.splitlines()
+    assert lines[0] == f"run directory: {run_dir_of(r.output)}"
+    bars = [line for line in lines if line.startswith("point ")]
+    assert len(bars) == 2 and bars[0].startswith("point 1/2 dense ctx=40 c=2")
+    assert bars[1].startswith("point 2/2 oasiskv ctx=40 c=2")
+    assert all("6/6 tok" in bar and "took " in bar for bar in bars)  # 2 requests x 3 tokens, finished
+
+
+def test_ctrl_c_prints_the_run_and_the_resume_command(tiny, tmp_path, monkeypatch):
+    real = tp.run_point
+
+    def interrupted(pp, cache, progress=None, trace=None, where=""):
+        if pp.point["concurrency"] == 2:
+            raise KeyboardInterrupt
+        return real(pp, cache, progress, trace, where)
+
+    monkeypatch.setattr(tp, "run_point", interrupted)
+    args = ["throughput", "--model", tiny, "--modes", "dense", "--concurrency", "1,2", "--no-measure-recall",
+            "--output-dir", str(tmp_path), *SMALL]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 130, r.output
+    run_dir = next((tmp_path / "tp").iterdir())
+    assert f"interrupted: 1 of 2 point(s) recorded in {run_dir}" in r.output
+    (command,) = [line.removeprefix("resume with: ") for line in r.output.splitlines() if "resume with:" in line]
+    words = shlex.split(command)
+    assert words[:2] == ["oasisbench", "throughput"] and words[-2:] == ["--resume", str(run_dir)]
+    assert "--output-dir" not in words and "--no-measure-recall" in words and words[words.index("--modes") + 1] == "dense"
+    monkeypatch.setattr(tp, "run_point", real)
+    r = runner.invoke(app, words[1:])  # the printed command finishes the run
+    assert r.exit_code == 0, r.output
+    assert sorted(rec["point"]["concurrency"] for rec in load_run(run_dir).records) == [1, 2]
 
 
 def test_resume_missing_run_dir(tiny, tmp_path):
@@ -360,3 +403,4 @@ def test_link_gbps_and_pipeline_priority_reach_the_engine_config(tiny):
     assert pp.engine.sparse.link_gbps == 20 and pp.engine.sparse.pipeline_priority == -1
     (pp,) = tp.plan_points([{k: v for k, v in point.items() if k not in ("link_gbps", "pipeline_priority")}])
     assert pp.engine.sparse.link_gbps == 0 and pp.engine.sparse.pipeline_priority == 0
+
