@@ -253,6 +253,33 @@ def test_link_gbps_option_and_sweep_reach_the_engine(tiny, tmp_path):
         assert not (tmp_path / "bad").exists()
 
 
+def test_cli_top_k_covering_the_context_is_lowered_or_noted(tiny, tmp_path, monkeypatch):
+    """accuracy treats a K that holds the whole context as throughput does: the default K drops to a quarter of the
+    shortest context's blocks (1K tokens: 16, not the paper's 128, whose 2,064 tokens would make oasiskv dense), an
+    explicit one gets a note; never a silent dense-vs-dense run. --kv-cache-gb -1 is refused in GiB, nothing
+    written."""
+    import oasisbench.runners.accuracy as acc
+
+    seen: list[AccuracyConfig] = []
+
+    def stop(cfg, log=print):
+        seen.append(cfg)
+        raise ValueError("stopped before loading a model")
+
+    monkeypatch.setattr(acc, "run", stop)
+    base = ["accuracy", "--task", "niah_passkey", "--model", tiny, "-o", str(tmp_path)]
+    r = runner.invoke(app, [*base, "--context-len", "1024"], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "stopped before" in r.output
+    assert seen[-1].top_k_blocks == 16 and "note:" not in r.output
+    r = runner.invoke(app, [*base, "--context-len", "1024", "--top-k-blocks", "128"], env={"COLUMNS": "400"})
+    assert seen[-1].top_k_blocks == 128 and "the whole context at --context-len 1,024" in r.output
+    runner.invoke(app, base)
+    assert seen[-1].top_k_blocks == 128  # NIAH's default 4,096 tokens: the paper's K leaves 127 blocks out
+    r = runner.invoke(app, [*base, "--kv-cache-gb", "-1"], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "--kv-cache-gb must be a positive number of GiB, got -1" in r.output
+    assert "Traceback" not in r.output and len(seen) == 3 and not tmp_path.joinpath("accuracy-niah_passkey").exists()
+
+
 def test_lm_eval_records_our_commit_quietly_outside_a_checkout(tmp_path, monkeypatch, capfd):
     """lm-eval's simple_evaluate runs `git describe` in the current directory with stderr on the terminal: outside
     a git checkout every accuracy run printed `fatal: not a git repository`. Within quiet_git_hash it gets the

@@ -80,6 +80,7 @@ def test_throughput_writes_one_record_per_point(sweep):
     (["--concurrency", "1,x"], "comma-separated list of integers"),
     (["--output-len", "40"], "must be below context_len"),
     (["--model", "/no/such/model"], "not found"),
+    (["--kv-cache-gb", "-1"], "--kv-cache-gb must be a positive number of GiB, got -1"),
     pytest.param(["--device", "cuda"], "needs CUDA", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="checks the CPU-only message")),
 ])
@@ -189,6 +190,22 @@ def test_ctrl_c_prints_the_run_and_the_resume_command(tiny, tmp_path, monkeypatc
     r = runner.invoke(app, words[1:])  # the printed command finishes the run
     assert r.exit_code == 0, r.output
     assert sorted(rec["point"]["concurrency"] for rec in load_run(run_dir).records) == [1, 2]
+
+
+def test_cpu_default_budget_shows_the_capacity_wall(tiny, tmp_path):
+    """Without --kv-cache-gb on the CPU the budget holds the dense KV of half the top concurrency's requests: at
+    concurrency 4, dense runs 2 at a time and oasiskv, whose default K (a quarter of the context's 7 blocks) keeps
+    3 device blocks per request against dense's 7, all 4; the run ends saying so."""
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--context-len", "100", "--output-len", "3",
+                            "--concurrency", "4", "--device", "cpu", "--output-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "the dense KV of 2 request(s) of 100 tokens" in r.output
+    records = {rec["point"]["mode"]: rec for rec in load_run(run_dir_of(r.output)).records}
+    assert records["oasiskv"]["point"]["top_k_blocks"] == 1
+    assert records["dense"]["metrics"]["max_running_batch"] == 2
+    assert records["oasiskv"]["metrics"]["max_running_batch"] == 4
+    text = r.output.replace("\n", " ")
+    assert "fit 2 dense requests at once and 4 oasiskv (2.00x)" in text and "CPU timings are noisy" in text
 
 
 def test_resume_missing_run_dir(tiny, tmp_path):
@@ -404,3 +421,10 @@ def test_link_gbps_and_pipeline_priority_reach_the_engine_config(tiny):
     (pp,) = tp.plan_points([{k: v for k, v in point.items() if k not in ("link_gbps", "pipeline_priority")}])
     assert pp.engine.sparse.link_gbps == 0 and pp.engine.sparse.pipeline_priority == 0
 
+
+def test_default_top_k_stays_below_the_context():
+    from oasisbench.cli.defaults import default_top_k_blocks, top_k_note
+
+    assert [default_top_k_blocks([c]) for c in (40, 1024, 2048, 2100, 4096)] == [1, 16, 32, 128, 128]
+    assert default_top_k_blocks([]) == 128 and default_top_k_blocks([4096, 1024]) == 16
+    assert top_k_note(128, [4096]) is None and "below 63" in top_k_note(128, [1024, 4096])

@@ -19,8 +19,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
+from oasisbench.cli.defaults import default_top_k_blocks, demo_kv_budget, top_k_note
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, HostGbOpt,
-                                    KvGbOpt, LinkGbpsOpt, ModelOpt, SeedOpt, default_device)
+                                    KvGbOpt, LinkGbpsOpt, ModelOpt, SeedOpt, default_device, default_dtype)
 from oasisbench.cli.report import fail
 from oasisbench.results.plots import plots_available, write_plots
 from oasisbench.results.report import render_report
@@ -188,13 +189,20 @@ def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, 
         raise typer.Exit(1)
 
 
+def positive_gb(value: float | None, flag: str) -> float | None:
+    """``value`` of a GiB option, exit 2 unless it is positive (the engine's own message speaks in bytes)."""
+    if value is not None and not value > 0:
+        raise fail(f"{flag} must be a positive number of GiB, got {value:g}")
+    return value
+
+
 def throughput_cmd(
     ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL_NAME,
     modes: Annotated[str, typer.Option("--modes", help="Comma list of engine modes to compare.")] = "dense,oasiskv",
     context_len: Annotated[str, typer.Option(
         "--context-len", help="Comma list of context lengths (prompt + output tokens).")] = "1024",
-    output_len: Annotated[int, typer.Option("--output-len", min=1, help="Tokens generated per request.")] = 16,
+    output_len: Annotated[int, typer.Option("--output-len", min=1, help="Tokens generated per request.")] = 32,
     concurrency: Annotated[str, typer.Option(
         "--concurrency", help="Comma list: most requests in flight (the engine's max_num_seqs).")] = "1,4",
     num_requests: Annotated[int | None, typer.Option(
@@ -207,9 +215,9 @@ def throughput_cmd(
         "--device-tier/--no-device-tier", help="Host-pool modes: once the host pool is full, keep further "
         "requests' full KV in the device KV budget (--kv-cache-gb) that their working sets leave free.")] = False,
     top_k_blocks: Annotated[int | None, typer.Option(
-        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: 128 on CUDA (the "
-        "paper's); 16 on CPU, since the CPU default context of 1K tokens is only 64 blocks and 128 would make "
-        "every sparse mode dense.", show_default=False)] = None,
+        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: the paper's 128, or a "
+        "quarter of the shortest context's blocks where 129 blocks would hold it whole (1K tokens: 16), since "
+        "every sparse mode would then attend to everything.", show_default=False)] = None,
     fetch_ratio: FetchRatioOpt = 0.05,
     link_gbps: LinkGbpsOpt = 0.0,
     draft: DraftOpt = "auto",
@@ -226,6 +234,8 @@ def throughput_cmd(
 ) -> None:
     """Throughput of each mode over context lengths and concurrencies (random-token prompts, greedy).
 
+    Default --kv-cache-gb: on CUDA 90% of the free memory; on the CPU the dense KV of half the top concurrency.
+
     Example: oasisbench throughput --modes dense,oasiskv --context-len 1024 --concurrency 1,4,8
     """
     mode_list = _modes(modes)
@@ -233,7 +243,21 @@ def throughput_cmd(
     contexts = _ints(context_len, "--context-len")
     concurrencies = _ints(concurrency, "--concurrency")
     device = default_device(device)
-    top_k = top_k_blocks if top_k_blocks is not None else (128 if device.startswith("cuda") else 16)
+    positive_gb(kv_cache_gb, "--kv-cache-gb")
+    notes = []
+    if top_k_blocks is None:
+        top_k = default_top_k_blocks(contexts)
+    else:
+        top_k = top_k_blocks
+        notes.append(top_k_note(top_k, contexts) if any(m != "dense" for m in mode_list) else None)
+    if kv_cache_gb is None and not device.startswith("cuda"):
+        try:
+            kv_cache_gb, n_dense = demo_kv_budget(model, default_dtype(dtype, device), contexts, concurrencies)
+        except (FileNotFoundError, ValueError, ImportError) as e:
+            raise fail(str(e)) from None
+        notes.append(f"device KV budget: {kv_cache_gb:.3g} GiB, the dense KV of {n_dense} request(s) of "
+                     f"{max(contexts):,} tokens (the CPU's default, a stand-in for a GPU's memory wall; "
+                     "--kv-cache-gb sets it)")
     common = dict(model=model, output_len=output_len, kv_cache_gb=kv_cache_gb, top_k_blocks=top_k,
                   fetch_ratio=fetch_ratio, draft=draft, device=device, dtype=dtype or "", seed=seed,
                   measure_recall=measure_recall)
@@ -248,7 +272,8 @@ def throughput_cmd(
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
     points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
               for ctx in contexts for c in concurrencies for m in mode_list]
-    execute(ctx, points, output_dir, suite_name, resume, window=window)
+    execute(ctx, points, output_dir, suite_name, resume, window=window,
+            notes="\n".join(n for n in notes if n) or None)
 
 
 def run_cmd(
