@@ -58,6 +58,7 @@ def _request(context: str, **gen_kwargs) -> SimpleNamespace:
     return SimpleNamespace(args=(context, gen_kwargs))
 
 
+@pytest.mark.slow
 def test_simple_evaluate_runs_aime_fixture_with_avg_at_k(llm, aime_dir, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -115,6 +116,7 @@ def test_sparse_loglikelihood_is_scored_by_decode_steps(tiny):
     assert math.isfinite(sparse_lp) and abs(sparse_lp - full_lp) > 1e-3
 
 
+@pytest.mark.slow
 def test_lm_eval_loglikelihood_and_rolling(llm):
     lm = OasisKVLM(llm=llm)
     pairs = lm.loglikelihood([SimpleNamespace(args=("The capital of France is ", "Paris.")),
@@ -173,6 +175,7 @@ def test_cli_list_tasks_shows_sources_and_local_data(aime_dir):
     assert "Maxwell-Jia/AIME_2024" in r.output and "aime24.jsonl" in r.output
 
 
+@pytest.mark.slow
 def test_cli_aime_fixture_writes_deltas_for_every_mode(tiny, aime_dir, tmp_path):
     r = runner.invoke(app, ["accuracy", "--task", "aime24", "--model", tiny, "--modes", "oasiskv",
                             "--data-dir", str(aime_dir), "--limit", "2", "--max-gen-toks", "3", "--kv-cache-gb", str(KV_GB),
@@ -197,6 +200,7 @@ def test_cli_missing_data_exits_nonzero_naming_the_dataset(tmp_path):
     assert not (tmp_path / "accuracy-aime25").exists()  # nothing is loaded or written before data is found
 
 
+@pytest.mark.slow
 def test_sink_blocks_sweep_runs_one_engine_per_value_and_bad_sinks_fail_first(tiny, tmp_path):
     cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), sweep=("sink_blocks", (0.0, 2.0)),
                          top_k_blocks=8, output_dir=tmp_path)

@@ -381,6 +381,7 @@ def test_committed_ci_baseline_gates(tmp_path):
     assert not result.passed and any(o.metric == "total_output_tokens" for o in result.failures)
 
 
+@pytest.mark.slow
 def test_trace_steps_writes_a_per_kind_summary(tiny, tmp_path):
     """--trace-steps profiles a window of each point's engine steps and reports them per step kind (on the CPU:
     host wall time and the step split; kernels need CUDA); the records say their timings were traced. A bad
