@@ -153,6 +153,7 @@ def test_resume_skips_finished_points_and_refuses_other_flags(tiny, sweep, tmp_p
     assert "another configuration" in text and "concurrency (was 1, 2; now 1, 2, 3)" in text
     assert 'mode (was "dense", "oasiskv"; now "dense")' in text and "output_len" not in text
     assert ran == [] and len(load_run(run_dir).records) == 4
+    assert "run directory:" not in r.output  # refused before the run is announced
 
 
 def test_progress_counts_tokens_per_point_and_names_the_run_first(tiny, tmp_path):

@@ -144,7 +144,7 @@ def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, 
     printed at the start, under the run directory.
     """
     from oasisbench.results.report import reading_lines
-    from oasisbench.runners.throughput import plan_points, run_planned, summary_table
+    from oasisbench.runners.throughput import plan_points, refuse_other_config, run_planned, summary_table
 
     console = Console()
     try:
@@ -152,6 +152,10 @@ def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, 
     except ValueError as e:
         raise fail(str(e)) from None
     store = open_store(output_dir, suite, resume)
+    try:
+        refuse_other_config(store, planned)
+    except ValueError as e:
+        raise fail(str(e)) from None
     say = dict(markup=False, highlight=False, soft_wrap=True)
     console.print(f"run directory: {store.path}", **say)
     if notes:

@@ -218,10 +218,11 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
                     f"--kv-cache-gb or raise --concurrency to see one.{failed}")
     tput = ratio(a, b, "output_throughput")
     cpu = str(run.env.get("device") or "").startswith("cpu")
-    reading = (f"Throughput: {numerator}/{denominator} tok/s at {where} = {'–' if tput is None else f'{tput:.2f}x'} "
-               f"(above 1: the bigger batch beat {numerator}'s per-step selection cost). "
-               + ("CPU timings are noisy: trust the batch ratio." if cpu else
-                  "Runs compare with `oasisbench compare`."))
+    why = ("" if tput is None else f" (the bigger batch outweighed {numerator}'s per-step selection cost)"
+           if tput >= 1 else f" ({numerator}'s per-step selection cost outweighed the bigger batch here)")
+    reading = (f"Throughput: {numerator}/{denominator} tok/s at {where} = {'–' if tput is None else f'{tput:.2f}x'}"
+               f"{why}. " + ("CPU timings are noisy and a CPU step is compute-bound, not memory-bound as a GPU's "
+                             "decode: trust the batch ratio." if cpu else "Runs compare with `oasisbench compare`."))
     return [compared, capacity, reading]
 
 

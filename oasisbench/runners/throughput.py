@@ -396,6 +396,16 @@ def config_differences(old: dict[str, Any], planned: list[PlannedPoint]) -> list
             for k in keys if values(old["points"], k) != values(new_points, k)]
 
 
+def refuse_other_config(store: RunStore, planned: list[PlannedPoint]) -> None:
+    """Raise ``ValueError`` naming what differs when ``store`` (a resumed run) was recorded with other points."""
+    config_path = store.path / CONFIG_FILE
+    if config_path.is_file():
+        diff = config_differences(json.loads(config_path.read_text(encoding="utf-8")), planned)
+        if diff:
+            raise ValueError(f"{store.path} was recorded with another configuration; --resume continues a run with "
+                             f"the flags it was started with. Differs: {'; '.join(diff)}")
+
+
 def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Progress | None = None,
                    trace_window: tuple[tuple[int, int], ...] | None = None) -> None:
     """Plan ``points`` (:func:`plan_points`) and run them (:func:`run_planned`).
@@ -418,12 +428,7 @@ def run_planned(planned: list[PlannedPoint], store: RunStore, progress: Progress
     from oasiskv_runtime.models.presets import preset_names
     from oasisbench.runners.step_trace import window_label
 
-    config_path = store.path / CONFIG_FILE
-    if config_path.is_file():
-        diff = config_differences(json.loads(config_path.read_text(encoding="utf-8")), planned)
-        if diff:
-            raise ValueError(f"{store.path} was recorded with another configuration; --resume continues a run with "
-                             f"the flags it was started with. Differs: {'; '.join(diff)}")
+    refuse_other_config(store, planned)
     store.write_config({
         "suite": store.suite,
         "points": [pp.point for pp in planned],
