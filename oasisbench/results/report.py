@@ -187,7 +187,8 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
         return []
     recs = [r for pair in pairs for r in pair]
     gbs = {normalize_value(r["point"].get("kv_cache_gb")) for r in recs}
-    budget = "the default device KV budget" if gbs == {None} else f"{_values(recs, 'kv_cache_gb', '.3g')} GiB of device KV"
+    budget = ("the default device KV budget" if gbs == {None} else
+              f"{_values(recs, 'kv_cache_gb', '.3g')} GiB of device KV")
     shape = f"{_values(recs, 'context_len')} tokens"
     if {r["point"].get("output_len") for r in recs} - {None}:
         shape += f", {_values(recs, 'output_len')} generated"
@@ -211,8 +212,8 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
                                                  if len({r['point']['context_len'] for r in recs}) > 1 else "")
     if batch_ratio is not None and batch_ratio > 1.0:
         capacity = (f"Capacity: at {where} the budget fit {_cell(b, 'max_running_batch')} {denominator} requests at "
-                    f"once and {_cell(a, 'max_running_batch')} {numerator} ({batch_ratio:.2f}x): {numerator} keeps only "
-                    f"a working set per request on the device.{failed}")
+                    f"once and {_cell(a, 'max_running_batch')} {numerator} ({batch_ratio:.2f}x): {numerator} keeps "
+                    f"only a working set per request on the device.{failed}")
     else:
         capacity = (f"Capacity: the budget fit every request in both modes (1.00x): no capacity wall here; lower "
                     f"--kv-cache-gb or raise --concurrency to see one.{failed}")

@@ -286,8 +286,8 @@ def _token_progress(engine: Any, progress: Progress, task: Any) -> Iterator[None
         generated = sum(len(s.output_token_ids) for s in seqs)
         prefilled = sum(min(s.num_computed_tokens, len(s.prompt_token_ids)) if not s.output_token_ids
                         else len(s.prompt_token_ids) for s in seqs)
-        progress.update(task, completed=generated,
-                        prefill=f"prefill {100 * prefilled // max(1, num_prompt[0])}%" if prefilled < num_prompt[0] else "")
+        share = f"prefill {100 * prefilled // max(1, num_prompt[0])}%" if prefilled < num_prompt[0] else ""
+        progress.update(task, completed=generated, prefill=share)
         return out
 
     engine.add_request, engine.step = add, counted_step
