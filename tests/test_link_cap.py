@@ -103,6 +103,7 @@ def _run(tiny, link_gbps):
     return [o.token_ids for o in outs], llm.engine.run_stats(), caps
 
 
+@pytest.mark.slow
 def test_engine_cap_follows_the_link(tiny):
     """With the fixed cap (1 copy per head and step at top_k_blocks 4) blocks are deferred; with a link budget
     far above what this tiny model moves, the cap is the whole working set once a decode step was timed, and

@@ -368,6 +368,7 @@ def test_slow_tokenizer_fallback_matches_offsets(bpe: Any) -> None:
 # --------------------------------------------------------------------------- real tokenizer
 
 
+@pytest.mark.slow
 def test_smollm2_chat_template(smol: Any) -> None:
     ctx = 2048
     for family in families():

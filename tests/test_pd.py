@@ -94,6 +94,7 @@ def _tokens(results: dict[str, dict]) -> list[list[int]]:
 
 @pytest.mark.parametrize("mode,transfer", [("oasiskv", "rpf"), ("oasiskv", "full"), ("proxy-prefetch", "rpf"),
                                            ("dense", "full")])
+@pytest.mark.slow
 def test_handoff_equals_single_engine(tiny, mode, transfer):
     # A budget of 3 blocks of 4 tokens per head: selection really drops blocks, misses really happen.
     llm = LLM(tiny, mode=mode, **SMALL)
@@ -131,6 +132,7 @@ def test_rpf_traffic_and_at_most_once(tiny):
     assert len(log) < total
 
 
+@pytest.mark.slow
 def test_rpf_admission_bytes_independent_of_prompt_length(tiny):
     kw = dict(SMALL, max_num_batched_tokens=512)
     lengths = [400, 800, 1600]
@@ -190,6 +192,7 @@ def _nixl_or_skip():
     pytest.importorskip("nixl", reason="NIXL not installed (pip install --no-deps nixl-cu13==1.5.1 nixl==1.5.1)")
 
 
+@pytest.mark.slow
 def test_separate_processes_over_nixl_equal_single_engine(tiny, tmp_path):
     from oasiskv_runtime.pd.cluster import PDCluster
 
@@ -297,6 +300,7 @@ def test_pd_across_network_namespaces(tiny, tmp_path, netns_pair):
 
 
 @pytest.mark.parametrize("mode,transfer,top_k", [("dense", "full", 3), ("oasiskv", "rpf", 64)])
+@pytest.mark.slow
 def test_prefix_cache_skips_shared_blocks_and_keeps_outputs(tiny, mode, transfer, top_k):
     shared = [(11 * i + 5) % 390 + 5 for i in range(60)]  # 15 blocks of 4 tokens
     prompts = [shared + [7, 8, 9, 10, 11], shared + [300, 301, 302], shared[:30] + [42] * 9]
@@ -342,6 +346,7 @@ def test_pd_cli_bad_input_exits_2(tiny, tmp_path, args, message):
     assert message in res.output
 
 
+@pytest.mark.slow
 def test_pd_cli_runs_rpf_and_full(tiny, tmp_path):
     """Real processes (TCP transport, so it runs without NIXL too): one record per (mode, transfer)."""
     from typer.testing import CliRunner
@@ -362,6 +367,7 @@ def test_pd_cli_runs_rpf_and_full(tiny, tmp_path):
     assert by["full"]["decode_fetch_bytes_per_request"] == 0
 
 
+@pytest.mark.slow
 def test_worker_roles_started_apart_and_a_client_attached(tiny, tmp_path):
     """`oasisbench pd --role decode` and `--role prefill --peer` as two separate commands (two hosts in real
     life), and a PDCluster attached to them as the client."""

@@ -270,6 +270,7 @@ def _pair(workers, kind, seed=7, server_name="prefill"):
 
 
 @pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.slow
 def test_scattered_read_every_byte(workers, kind):
     srv, cli, sdesc, cdesc = _pair(workers, kind)
     assert cli("connect", desc=sdesc) == "prefill"
@@ -288,6 +289,7 @@ def test_scattered_read_every_byte(workers, kind):
 
 
 @pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.slow
 def test_out_of_bounds_and_unknown_peer(workers, kind):
     srv, cli, sdesc, _ = _pair(workers, kind)
     cli("connect", desc=sdesc)
@@ -310,6 +312,7 @@ def test_out_of_bounds_and_unknown_peer(workers, kind):
 
 
 @pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.slow
 def test_killed_peer_raises_within_deadline(workers, kind):
     srv, cli, sdesc, _ = _pair(workers, kind)
     cli("connect", desc=sdesc)
@@ -331,6 +334,7 @@ def test_killed_peer_raises_within_deadline(workers, kind):
 
 
 @pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.slow
 def test_restarted_peer_reconnects(workers, kind):
     srv, cli, sdesc, _ = _pair(workers, kind)
     cli("connect", desc=sdesc)
@@ -345,6 +349,7 @@ def test_restarted_peer_reconnects(workers, kind):
 
 
 @pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.slow
 def test_concurrent_reads(workers, kind):
     srv, cli, sdesc, _ = _pair(workers, kind)
     cli("connect", desc=sdesc)

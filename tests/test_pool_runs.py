@@ -68,6 +68,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode,tier", [("proxy-prefetch", False), ("oasiskv", False), ("oasiskv", True)])
+@pytest.mark.slow
 def test_engine_copy_path_equals_the_kernel_path_on_cpu(tiny, mode, tier, monkeypatch):
     """The device prefill path (13-token chunks, block 4: prefixes end mid-block, prompts end mid-block, decode
     rows share steps with chunks) with the pool's prefill traffic planned as runs and copied, against the same

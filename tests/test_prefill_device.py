@@ -177,6 +177,7 @@ def _tokens(tiny, mode, device_prefill, **kw):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_device_prefill_path_equals_host_path_on_cpu(tiny, mode):
     # 13-token chunks with decode tokens sharing the budget: chunk starts fall anywhere in a block, prompts
     # end inside a block (the tail copy), and a 2-block working set makes the initial fill matter.
@@ -184,6 +185,7 @@ def test_device_prefill_path_equals_host_path_on_cpu(tiny, mode):
     assert _tokens(tiny, mode, True, **kw) == _tokens(tiny, mode, False, **kw)
 
 
+@pytest.mark.slow
 def test_device_prefill_dense_layers_on_cpu(tiny):
     kw = dict(top_k_blocks=2, dense_layers=2)
     assert _tokens(tiny, "oasiskv", True, **kw) == _tokens(tiny, "oasiskv", False, **kw)

@@ -17,6 +17,7 @@ def tiny(tmp_path_factory) -> str:
     return write_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny-recall"))
 
 
+@pytest.mark.slow
 def test_self_continuation_is_the_dense_greedy_output(tiny):
     windows = essay_windows(LLM(tiny).tokenizer, TEXTS, CTX)
     prompts = [w[: CTX - STEPS] for w in windows]
@@ -26,6 +27,7 @@ def test_self_continuation_is_the_dense_greedy_output(tiny):
     assert dense != [w[CTX - STEPS:] for w in windows]  # a random model does not reproduce the essay
 
 
+@pytest.mark.slow
 def test_recall_reports_both_continuations(tiny):
     configs = [("proxy-prefetch", None), ("oasiskv", "oracle")]
     points = run_recall(tiny, [CTX], configs, top_k_blocks=2, num_texts=TEXTS, num_steps=STEPS, fetch_ratio=0.5,
@@ -81,6 +83,7 @@ def test_unknown_continuation_is_an_error(tiny):
                    continuations=("essay",))
 
 
+@pytest.mark.slow
 def test_recall_cli_continuations_and_no_proxy(tiny, tmp_path):
     import json
 

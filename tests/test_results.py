@@ -23,7 +23,7 @@ from oasisbench.cli.report import report_cmd
 from oasisbench.results import store as store_mod
 from oasisbench.results.gate import BaselineError, dump_baseline, gate, load_baseline, make_baseline
 from oasisbench.results.plots import ROOFLINE_PNG, THROUGHPUT_PNG, write_plots
-from oasisbench.results.report import compare_runs, render_report
+from oasisbench.results.report import compare_runs, reading_lines, render_report
 from oasisbench.results.schema import Run, point_id
 from oasisbench.results.store import RunStore, atomic_write_json, atomic_write_text, load_run
 
@@ -195,6 +195,46 @@ def test_plots_and_report(run_dir: Path) -> None:
     assert f"![roofline]({ROOFLINE_PNG})" in text
 
 
+def test_plots_read_at_a_glance(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plot has numbered axes and one legend entry per mode; the concurrency plots draw one line per mode and
+    context across concurrency (``num_requests`` following the concurrency, as by default, must not split a line
+    into dots), dense on top of oasiskv; every roofline point is labelled with its concurrency."""
+    from oasisbench.results import plots
+
+    run = load_run(run_dir)
+    for r in run.records:
+        r["point"]["num_requests"] = r["point"]["concurrency"]
+    figures: dict[str, Any] = {}
+    real_save = plots._save
+
+    def save(fig: Any, path: Path) -> Path:
+        figures[path.name] = fig
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", save)
+    write_plots(run)
+    assert set(figures) == {THROUGHPUT_PNG, "running_batch_vs_concurrency.png", "tpot_vs_concurrency.png",
+                            ROOFLINE_PNG}
+    for name, fig in figures.items():
+        for ax in fig.axes:
+            for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+                assert len([t for t in labels if t.get_text()]) >= 2, (name, [t.get_text() for t in labels])
+            assert ax.get_xlabel(), name
+        legend = fig.axes[0].get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == list(MODES), name
+        if name == ROOFLINE_PNG:
+            (ax,) = fig.axes
+            assert sorted(t.get_text() for t in ax.texts) == sorted(f"c={c} {ctx // 1024}K" for c in CONCURRENCIES
+                                                                    for ctx in CONTEXTS for _ in MODES)
+            continue
+        assert len(fig.axes) == len(CONTEXTS)  # one panel per context length
+        for ax in fig.axes:
+            lines = {line.get_label(): line for line in ax.get_lines() if line.get_label() in MODES}
+            assert set(lines) == set(MODES)
+            assert all(list(line.get_xdata()) == list(CONCURRENCIES) for line in lines.values())
+            assert lines["dense"].get_zorder() > lines["oasiskv"].get_zorder()
+
+
 def test_plots_skipped_without_matplotlib(tmp_path: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with pytest.warns(UserWarning, match="matplotlib is not installed"):
@@ -209,6 +249,41 @@ def test_report_without_dense_has_no_ratio_table(run_dir: Path) -> None:
     assert "oasiskv / dense" not in text and "RANDOM WEIGHTS" not in text and "no env.json" in text
 
 
+def _pair_run(dense: dict[str, Any], oasis: dict[str, Any], device: str = "cpu (x86_64, 2 threads)") -> Run:
+    point = {"context_len": 1024, "concurrency": 4, "output_len": 32, "kv_cache_gb": 0.0903}
+    return Run(suite="throughput", run_id="r", env={"device": device}, records=[
+        {"point": {**point, "mode": "dense"}, "metrics": dense},
+        {"point": {**point, "mode": "oasiskv", "top_k_blocks": 16}, "metrics": oasis}])
+
+
+def test_report_says_what_was_compared_and_how_to_read_it() -> None:
+    run = _pair_run({"output_throughput": 10.0, "max_running_batch": 2},
+                    {"output_throughput": 11.0, "max_running_batch": 4})
+    compared, capacity, reading = reading_lines(run)
+    assert "dense and oasiskv on the same requests (1,024 tokens, 32 generated; concurrency 4)" in compared
+    assert "0.0903 GiB" in compared
+    assert "fit 2 dense requests at once and 4 oasiskv (2.00x)" in capacity
+    assert "1.10x (the bigger batch outweighed" in reading and "CPU timings are noisy" in reading
+    text = render_report(run)
+    assert capacity in text and "numbers to trust" not in text
+    # no wall: said so, with what to change
+    run = _pair_run({"output_throughput": 10.0, "max_running_batch": 4},
+                    {"output_throughput": 9.0, "max_running_batch": 4}, device="NVIDIA H200")
+    _, capacity, reading = reading_lines(run)
+    assert "no capacity wall" in capacity and "--kv-cache-gb" in capacity and "CPU" not in reading
+
+
+def test_report_of_a_failed_run_says_it_failed() -> None:
+    run = _pair_run({"completed": 0, "failed": 4, "error": "ValueError: KV cache budget too small for one request"},
+                    {"output_throughput": 11.0, "max_running_batch": 4})
+    text = render_report(run)
+    assert "## Failed points" in text and "dense ctx=1024 c=4: ValueError: KV cache budget too small" in text
+    assert "numbers to trust" not in text
+    compared, capacity, reading = reading_lines(run)
+    assert "no point ran in both modes" in capacity and "1 point(s) failed" in capacity
+    assert "fix the failures" in reading
+
+
 def test_compare_ratios_and_unmatched(run_dir: Path) -> None:
     a = load_run(run_dir)
     b = load_run(run_dir)
@@ -219,7 +294,7 @@ def test_compare_ratios_and_unmatched(run_dir: Path) -> None:
     b.env = {**b.env, "device": "NVIDIA H100"}
     text = compare_runs(a, b)
     assert "## output_throughput" in text
-    assert "| `concurrency=1,context_len=1024,mode=oasiskv` | 90.0 | 180.0 | 2.00x |" in text
+    assert "| oasiskv ctx=1024 c=1 | 90.0 | 180.0 | 2.00x |" in text  # mode first: a cut cell still tells rows apart
     assert "## Only in B" in text and "context_len=8192" in text
     assert "different devices" in text
     assert "matched points: 11" in text

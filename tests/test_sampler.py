@@ -45,6 +45,7 @@ def test_hash_uniforms_are_uniform_and_depend_only_on_their_seed():
     assert abs(float(torch.corrcoef(u[:2])[0, 1])) < 0.05
 
 
+@pytest.mark.slow
 def test_draws_follow_the_filtered_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5]])
     for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=3),

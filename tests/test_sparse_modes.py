@@ -29,6 +29,7 @@ def dense_tokens(tiny):
 
 
 @pytest.mark.parametrize("mode", SPARSE)
+@pytest.mark.slow
 def test_full_budget_equals_dense(tiny, dense_tokens, mode):
     # block_size 4 and 16-token chunks exercise chunked prefill into the host pool and many block boundaries.
     llm = LLM(tiny, mode=mode, top_k_blocks=64, block_size=4, max_num_batched_tokens=16, draft="ngram")
@@ -36,6 +37,7 @@ def test_full_budget_equals_dense(tiny, dense_tokens, mode):
 
 
 @pytest.mark.parametrize("draft", ["layerskip:2", "oracle", "ngram+layerskip:2"])
+@pytest.mark.slow
 def test_full_budget_equals_dense_with_other_drafts(tiny, dense_tokens, draft):
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft=draft)
     forced = dense_tokens if draft == "oracle" else None
@@ -83,6 +85,7 @@ class QuestReference:
         return out
 
 
+@pytest.mark.slow
 def test_sparse_resident_equals_independent_quest_reference(tiny):
     top_k, bs = 3, 4
     llm = LLM(tiny, mode="sparse-resident", top_k_blocks=top_k, block_size=bs)
@@ -112,6 +115,7 @@ def _resident(tiny: str, ctx: int, **kw) -> float:
 
 
 @pytest.mark.parametrize("mode", ["fetch-on-demand", "proxy-prefetch", "oasiskv"])
+@pytest.mark.slow
 def test_resident_bytes_do_not_grow_with_context(tiny, mode):
     short, long = (_resident(tiny, ctx, mode=mode, top_k_blocks=8) for ctx in (1024, 2048))
     block_bytes = 16 * 2 * 5 * 3 * 48 * 4
@@ -121,6 +125,7 @@ def test_resident_bytes_do_not_grow_with_context(tiny, mode):
     assert long <= (8 + 1 + summary_blocks) * block_bytes  # working set + summaries, nothing else
 
 
+@pytest.mark.slow
 def test_dense_resident_bytes_grow_with_context(tiny):
     short, long = (_resident(tiny, ctx) for ctx in (1024, 2048))
     assert long > 1.9 * short
@@ -149,6 +154,7 @@ def test_gqa_aggregation_keeps_a_block_one_head_needs():
     assert int(mean_rank.argmax()) != 5
 
 
+@pytest.mark.slow
 def test_recall_and_traffic_metrics_with_small_budget(tiny):
     llm = LLM(tiny, mode="proxy-prefetch", top_k_blocks=4, block_size=4, measure_recall=True, fetch_ratio=0.25)
     outs = llm.generate(PROMPTS[:3], GREEDY)
@@ -165,12 +171,14 @@ def test_recall_and_traffic_metrics_with_small_budget(tiny):
 
 
 @pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
+@pytest.mark.slow
 def test_dense_layers_covering_every_layer_equal_dense(tiny, dense_tokens, mode):
     """With every layer dense (dense_layers = the model's 5 layers), a tiny budget changes nothing."""
     llm = LLM(tiny, mode=mode, top_k_blocks=2, block_size=4, dense_layers=5)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
 
 
+@pytest.mark.slow
 def test_sink_blocks_always_resident(tiny):
     llm = LLM(tiny, mode="proxy-prefetch", top_k_blocks=3, block_size=4, sink_blocks=1, fetch_ratio=1.0)
     eng = llm.engine

@@ -8,6 +8,7 @@ metrics.json with ``failed`` and ``error``, the sweep goes on, and the command e
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,7 @@ def test_throughput_writes_one_record_per_point(sweep):
     (["--concurrency", "1,x"], "comma-separated list of integers"),
     (["--output-len", "40"], "must be below context_len"),
     (["--model", "/no/such/model"], "not found"),
+    (["--kv-cache-gb", "-1"], "--kv-cache-gb must be a positive number of GiB, got -1"),
     pytest.param(["--device", "cuda"], "needs CUDA", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="checks the CPU-only message")),
 ])
@@ -86,6 +88,8 @@ def test_bad_input_exits_2_before_running(tiny, tmp_path, args, message):
     r = runner.invoke(app, ["throughput", "--model", tiny, "--output-dir", str(tmp_path), *SMALL, *args])
     assert r.exit_code == 2, r.output
     assert message in r.output.replace("\n", " ")
+    assert "Traceback" not in r.output
+    assert not any(tmp_path.iterdir())  # no empty run directory left behind
 
 
 def test_budget_too_small_is_a_recorded_failed_point(tiny, tmp_path):
@@ -131,21 +135,78 @@ def test_a_crashing_point_does_not_stop_the_sweep(tiny, tmp_path, monkeypatch):
     assert errors == {1: "AttributeError: a bug in one mode", 2: None}
 
 
-def test_resume_skips_finished_points(tiny, sweep, tmp_path, monkeypatch):
+def test_resume_skips_finished_points_and_refuses_other_flags(tiny, sweep, tmp_path, monkeypatch):
     run_dir = tmp_path / "tp" / sweep.name
     shutil.copytree(sweep, run_dir)
     ran: list[str] = []
     real = tp.run_point
-    monkeypatch.setattr(tp, "run_point",
-                        lambda pp, cache, progress=None, trace=None: ran.append(pp.pid) or real(pp, cache, progress))
+    monkeypatch.setattr(tp, "run_point", lambda pp, cache, progress=None, trace=None, where="":
+                        ran.append(pp.pid) or real(pp, cache, progress, trace, where))
     base = ["throughput", "--model", tiny, "--measure-recall", *SMALL, "--resume", str(run_dir)]
     r = runner.invoke(app, [*base, "--modes", "dense,oasiskv", "--concurrency", "1,2"])
     assert r.exit_code == 0, r.output
     assert ran == []
+    # other flags would mix a second sweep into this run: refused before anything runs, naming what differs
     r = runner.invoke(app, [*base, "--modes", "dense", "--concurrency", "1,2,3"])
+    assert r.exit_code == 2, r.output
+    text = r.output.replace("\n", " ")
+    assert "another configuration" in text and "concurrency (was 1, 2; now 1, 2, 3)" in text
+    assert 'mode (was "dense", "oasiskv"; now "dense")' in text and "output_len" not in text
+    assert ran == [] and len(load_run(run_dir).records) == 4
+    assert "run directory:" not in r.output  # refused before the run is announced
+
+
+def test_progress_counts_tokens_per_point_and_names_the_run_first(tiny, tmp_path):
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--modes", "dense,oasiskv", "--concurrency", "2",
+                            "--output-dir", str(tmp_path), *SMALL])
     assert r.exit_code == 0, r.output
-    assert len(ran) == 1 and "concurrency=3" in ran[0]
-    assert len(load_run(run_dir).records) == 5
+    lines = r.output.splitlines()
+    assert lines[0] == f"run directory: {run_dir_of(r.output)}"
+    bars = [line for line in lines if line.startswith("point ")]
+    assert len(bars) == 2 and bars[0].startswith("point 1/2 dense ctx=40 c=2")
+    assert bars[1].startswith("point 2/2 oasiskv ctx=40 c=2")
+    assert all("6/6 tok" in bar and "took " in bar for bar in bars)  # 2 requests x 3 tokens, finished
+
+
+def test_ctrl_c_prints_the_run_and_the_resume_command(tiny, tmp_path, monkeypatch):
+    real = tp.run_point
+
+    def interrupted(pp, cache, progress=None, trace=None, where=""):
+        if pp.point["concurrency"] == 2:
+            raise KeyboardInterrupt
+        return real(pp, cache, progress, trace, where)
+
+    monkeypatch.setattr(tp, "run_point", interrupted)
+    args = ["throughput", "--model", tiny, "--modes", "dense", "--concurrency", "1,2", "--no-measure-recall",
+            "--output-dir", str(tmp_path), *SMALL]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 130, r.output
+    run_dir = next((tmp_path / "tp").iterdir())
+    assert f"interrupted: 1 of 2 point(s) recorded in {run_dir}" in r.output
+    (command,) = [line.removeprefix("resume with: ") for line in r.output.splitlines() if "resume with:" in line]
+    words = shlex.split(command)
+    assert words[:2] == ["oasisbench", "throughput"] and words[-2:] == ["--resume", str(run_dir)]
+    assert "--output-dir" not in words and "--no-measure-recall" in words and words[words.index("--modes") + 1] == "dense"
+    monkeypatch.setattr(tp, "run_point", real)
+    r = runner.invoke(app, words[1:])  # the printed command finishes the run
+    assert r.exit_code == 0, r.output
+    assert sorted(rec["point"]["concurrency"] for rec in load_run(run_dir).records) == [1, 2]
+
+
+def test_cpu_default_budget_shows_the_capacity_wall(tiny, tmp_path):
+    """Without --kv-cache-gb on the CPU the budget holds the dense KV of half the top concurrency's requests: at
+    concurrency 4, dense runs 2 at a time and oasiskv, whose default K (a quarter of the context's 7 blocks) keeps
+    3 device blocks per request against dense's 7, all 4; the run ends saying so."""
+    r = runner.invoke(app, ["throughput", "--model", tiny, "--context-len", "100", "--output-len", "3",
+                            "--concurrency", "4", "--device", "cpu", "--output-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "the dense KV of 2 request(s) of 100 tokens" in r.output
+    records = {rec["point"]["mode"]: rec for rec in load_run(run_dir_of(r.output)).records}
+    assert records["oasiskv"]["point"]["top_k_blocks"] == 1
+    assert records["dense"]["metrics"]["max_running_batch"] == 2
+    assert records["oasiskv"]["metrics"]["max_running_batch"] == 4
+    text = r.output.replace("\n", " ")
+    assert "fit 2 dense requests at once and 4 oasiskv (2.00x)" in text and "CPU timings are noisy" in text
 
 
 def test_resume_missing_run_dir(tiny, tmp_path):
@@ -321,6 +382,7 @@ def test_committed_ci_baseline_gates(tmp_path):
     assert not result.passed and any(o.metric == "total_output_tokens" for o in result.failures)
 
 
+@pytest.mark.slow
 def test_trace_steps_writes_a_per_kind_summary(tiny, tmp_path):
     """--trace-steps profiles a window of each point's engine steps and reports them per step kind (on the CPU:
     host wall time and the step split; kernels need CUDA); the records say their timings were traced. A bad
@@ -360,3 +422,11 @@ def test_link_gbps_and_pipeline_priority_reach_the_engine_config(tiny):
     assert pp.engine.sparse.link_gbps == 20 and pp.engine.kernels.pipeline_priority == -1
     (pp,) = tp.plan_points([{k: v for k, v in point.items() if k not in ("link_gbps", "pipeline_priority")}])
     assert pp.engine.sparse.link_gbps == 0 and pp.engine.kernels.pipeline_priority == 0
+
+
+def test_default_top_k_stays_below_the_context():
+    from oasisbench.cli.defaults import default_top_k_blocks, top_k_note
+
+    assert [default_top_k_blocks([c]) for c in (40, 1024, 2048, 2100, 4096)] == [1, 16, 32, 128, 128]
+    assert default_top_k_blocks([]) == 128 and default_top_k_blocks([4096, 1024]) == 16
+    assert top_k_note(128, [4096]) is None and "below 63" in top_k_note(128, [1024, 4096])

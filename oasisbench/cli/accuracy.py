@@ -17,8 +17,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
-                                    LinkGbpsOpt, ModelOpt, SeedOpt, TopKOpt, default_device, default_dtype)
+                                    LinkGbpsOpt, ModelOpt, SeedOpt, default_device, default_dtype)
+from oasisbench.cli.defaults import default_top_k_blocks, top_k_note
 from oasisbench.cli.report import fail
+from oasisbench.cli.throughput import positive_gb
 
 
 def _split(text: str | None, cast: type, what: str) -> tuple:
@@ -37,6 +39,26 @@ def _sweep(text: str | None) -> tuple[str, tuple[float, ...]] | None:
     if not sep:
         raise fail(f"--sweep: expected KEY=V1,V2,... (e.g. top_k_blocks=64,128,192), got {text!r}")
     return key.strip().replace("-", "_"), _split(values, float, "--sweep")
+
+
+def _top_k(top_k: int | None, tasks: tuple[str, ...], context_lens: tuple[int, ...],
+           sweep: tuple[str, tuple[float, ...]] | None, console: Console) -> int:
+    """--top-k-blocks, its default from the run's context lengths (NIAH's default length when none is given), and
+    the note :func:`~oasisbench.cli.defaults.top_k_note` prints where an explicit K holds a whole context."""
+    from oasisbench.accuracy import tasks as T
+    from oasisbench.runners.accuracy import DEFAULT_NIAH_CONTEXT
+
+    try:
+        names = T.expand_tasks(list(tasks))
+    except ValueError as e:
+        raise fail(str(e)) from None
+    contexts = context_lens or ((DEFAULT_NIAH_CONTEXT,) if any(T.TASKS[n].kind == "niah" for n in names) else ())
+    if top_k is None:
+        return default_top_k_blocks(contexts)
+    note = top_k_note(top_k, contexts) if sweep is None or sweep[0] != "top_k_blocks" else None
+    if note:
+        console.print(f"[yellow]{escape(note)}[/]", soft_wrap=True)
+    return top_k
 
 
 def list_tasks(data_dir: Path | None) -> None:
@@ -85,7 +107,10 @@ def accuracy_cmd(
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
     kv_cache_gb: KvGbOpt = None,
-    top_k_blocks: TopKOpt = 128,
+    top_k_blocks: Annotated[int | None, typer.Option(
+        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: the paper's 128, or a "
+        "quarter of the shortest --context-len's blocks where 129 blocks would hold it whole (NIAH at 1K tokens: "
+        "16), as oasisbench throughput does.", show_default=False)] = None,
     fetch_ratio: FetchRatioOpt = 0.05,
     link_gbps: LinkGbpsOpt = 0.0,
     sink_blocks: Annotated[int, typer.Option("--sink-blocks", help="Leading blocks every sparse mode always "
@@ -120,10 +145,13 @@ def accuracy_cmd(
 
     console = Console()
     device = default_device(device)
+    positive_gb(kv_cache_gb, "--kv-cache-gb")
+    context_lens = _split(context_len, int, "--context-len")
+    top_k_blocks = _top_k(top_k_blocks, _split(task, str, "--task"), context_lens, _sweep(sweep), console)
     try:
         cfg = AccuracyConfig(
             tasks=_split(task, str, "--task"), model=model, modes=_split(modes, str, "--modes"), limit=limit,
-            num_samples=num_samples, data_dir=data_dir, context_lens=_split(context_len, int, "--context-len"),
+            num_samples=num_samples, data_dir=data_dir, context_lens=context_lens,
             depths=_split(depths, float, "--depths"), device=device, dtype=default_dtype(dtype, device),
             top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, link_gbps=link_gbps, sink_blocks=sink_blocks,
             dense_layers=dense_layers, draft=draft,

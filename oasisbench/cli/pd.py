@@ -19,7 +19,7 @@ from rich.table import Table
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
                                     ModelOpt, SeedOpt, default_device, default_dtype)
 from oasisbench.cli.report import fail
-from oasisbench.cli.throughput import OutputDirOpt, ResumeOpt, _ints, _modes, _split, open_store
+from oasisbench.cli.throughput import OutputDirOpt, ResumeOpt, _ints, _modes, _split, open_store, positive_gb
 
 
 def pd_cmd(
@@ -65,6 +65,7 @@ def pd_cmd(
     dev = default_device(device)
     dt = default_dtype(dtype, dev)
     mode_list = _modes(modes)
+    positive_gb(kv_cache_gb, "--kv-cache-gb")
     transfers = _split(transfer, "--transfer")
     bad = [t for t in transfers if t not in TRANSFERS]
     if bad:

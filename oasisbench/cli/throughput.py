@@ -9,16 +9,19 @@ reported before anything runs.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
+from rich.text import Text
 
+from oasisbench.cli.defaults import default_top_k_blocks, demo_kv_budget, top_k_note
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, HostGbOpt,
-                                    KvGbOpt, LinkGbpsOpt, ModelOpt, SeedOpt, default_device)
+                                    KvGbOpt, LinkGbpsOpt, ModelOpt, SeedOpt, default_device, default_dtype)
 from oasisbench.cli.report import fail
 from oasisbench.results.plots import plots_available, write_plots
 from oasisbench.results.report import render_report
@@ -87,47 +90,123 @@ def trace_window(trace_steps: str | None) -> tuple[tuple[int, int], ...] | None:
         raise fail(str(e)) from None
 
 
-def execute(points: list[dict[str, Any]], store: RunStore, gate: Path | None = None,
-            window: tuple[tuple[int, int], ...] | None = None) -> None:
-    """Run the sweep with a progress bar, then write plots and report.md; exit 1 if a point failed.
+class _TimeColumn(ProgressColumn):
+    """``0:12, ETA 0:40`` while a point runs (rich's estimate from its recent token rate), ``took 0:52`` after."""
 
-    ``gate``: the suite's baseline file, printed as the command that checks this run against it.
-    ``window``: ``--trace-steps`` (:func:`trace_window`).
+    @staticmethod
+    def _clock(seconds: float | None) -> str:
+        if seconds is None:
+            return "?"
+        minutes, secs = divmod(int(seconds), 60)
+        return f"{minutes}:{secs:02d}"
+
+    def render(self, task: Task) -> Text:
+        if task.finished:
+            return Text(f"took {self._clock(task.finished_time)}")
+        return Text(f"{self._clock(task.elapsed or 0.0)}, ETA {self._clock(task.time_remaining)}")
+
+
+def resume_command(ctx: typer.Context, run_dir: Path) -> str:
+    """The command line that continues ``run_dir``: this command with the options given on its command line (the
+    rest are defaults, and ``--resume`` refuses a run whose points differ), ``--output-dir`` and ``--resume``
+    replaced by ``--resume run_dir``."""
+    words = ["oasisbench", ctx.info_name or ""]
+    for param in ctx.command.params:
+        name = param.name or ""
+        # by name: typer vendors click in recent versions, so ParameterSource is not one importable class
+        if name in ("resume", "output_dir") or getattr(ctx.get_parameter_source(name), "name", "") not in (
+                "COMMANDLINE", "ENVIRONMENT", "PROMPT"):
+            continue
+        value = ctx.params.get(name)
+        if param.param_type_name == "argument":
+            words.append(str(value))
+            continue
+        opt = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+        if getattr(param, "is_flag", False):
+            if value:
+                words.append(opt)
+            elif param.secondary_opts:
+                words.append(param.secondary_opts[0])
+            continue
+        words += [opt, str(value)]
+    return shlex.join([*words, "--resume", str(run_dir)])
+
+
+def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, suite: str, resume: Path | None,
+            gate: Path | None = None, window: tuple[tuple[int, int], ...] | None = None,
+            notes: str | None = None) -> None:
+    """Plan the sweep, open its run directory (only then: bad input leaves no empty run behind), run it with a
+    progress bar per point, then write plots and report.md; exit 1 if a point failed, 130 on Ctrl-C (after
+    printing the run directory and the command that resumes it).
+
+    ``ctx``: the command's context (for the resume command). ``gate``: the suite's baseline file, printed as the
+    command that checks this run against it. ``window``: ``--trace-steps`` (:func:`trace_window`). ``notes``:
+    printed at the start, under the run directory.
     """
-    from oasisbench.runners.throughput import run_throughput, summary_table
+    from oasisbench.results.report import reading_lines
+    from oasisbench.runners.throughput import plan_points, refuse_other_config, run_planned, summary_table
 
     console = Console()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        with Progress(*columns, console=console) as progress:
-            run_throughput(points, store, progress, window)
+        planned = plan_points(points)
     except ValueError as e:
         raise fail(str(e)) from None
+    store = open_store(output_dir, suite, resume)
+    try:
+        refuse_other_config(store, planned)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    say = dict(markup=False, highlight=False, soft_wrap=True)
+    console.print(f"run directory: {store.path}", **say)
+    if notes:
+        console.print(notes, **say)
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=8),
+               TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), TextColumn("{task.fields[prefill]}"),
+               _TimeColumn())
+    try:
+        with Progress(*columns, console=console) as progress:
+            run_planned(planned, store, progress, window)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        done = len(store.records)
+        console.print(f"interrupted: {done} of {len(planned)} point(s) recorded in {store.path}", **say)
+        console.print(f"resume with: {resume_command(ctx, store.path)}", **say)
+        raise typer.Exit(130) from None
     run = store.load()
     console.print(summary_table(run.records))
     plots = write_plots(run) if plots_available() else []
     atomic_write_text(store.path / "report.md", render_report(run))
-    console.print(f"wrote metrics.json, report.md and {len(plots)} plot(s)"
-                  + (f"; step traces in {store.path / 'traces.txt'}" if window is not None else ""), markup=False)
     failed = [r for r in run.records if r["metrics"].get("error")]
     for r in failed:
         console.print(f"[bold red]point failed[/] {escape(r['point']['mode'])} ctx={r['point']['context_len']} "
                       f"c={r['point']['concurrency']}: {escape(str(r['metrics']['error']))}", soft_wrap=True)
+    for line in reading_lines(run):  # what was compared and how to read it, last thing before the file list
+        console.print(line, markup=False, highlight=False)
+    console.print(f"wrote metrics.json, report.md and {len(plots)} plot(s)"
+                  + (f"; step traces in {store.path / 'traces.txt'}" if window is not None else ""), markup=False)
     if gate is not None:
-        console.print(f"gate it with: oasisbench gate --baseline {gate} {store.path}", markup=False,
-                      highlight=False, soft_wrap=True)
+        console.print(f"gate it with: oasisbench gate --baseline {gate} {store.path}", **say)
     # Last line, unadorned: scripts take the run directory from it.
-    console.print(str(store.path), markup=False, highlight=False, soft_wrap=True)
+    console.print(str(store.path), **say)
     if failed:
         raise typer.Exit(1)
 
 
+def positive_gb(value: float | None, flag: str) -> float | None:
+    """``value`` of a GiB option, exit 2 unless it is positive (the engine's own message speaks in bytes)."""
+    if value is not None and not value > 0:
+        raise fail(f"{flag} must be a positive number of GiB, got {value:g}")
+    return value
+
+
 def throughput_cmd(
+    ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL_NAME,
     modes: Annotated[str, typer.Option("--modes", help="Comma list of engine modes to compare.")] = "dense,oasiskv",
     context_len: Annotated[str, typer.Option(
         "--context-len", help="Comma list of context lengths (prompt + output tokens).")] = "1024",
-    output_len: Annotated[int, typer.Option("--output-len", min=1, help="Tokens generated per request.")] = 16,
+    output_len: Annotated[int, typer.Option("--output-len", min=1, help="Tokens generated per request.")] = 32,
     concurrency: Annotated[str, typer.Option(
         "--concurrency", help="Comma list: most requests in flight (the engine's max_num_seqs).")] = "1,4",
     num_requests: Annotated[int | None, typer.Option(
@@ -140,9 +219,9 @@ def throughput_cmd(
         "--device-tier/--no-device-tier", help="Host-pool modes: once the host pool is full, keep further "
         "requests' full KV in the device KV budget (--kv-cache-gb) that their working sets leave free.")] = False,
     top_k_blocks: Annotated[int | None, typer.Option(
-        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: 128 on CUDA (the "
-        "paper's); 16 on CPU, since the CPU default context of 1K tokens is only 64 blocks and 128 would make "
-        "every sparse mode dense.", show_default=False)] = None,
+        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: the paper's 128, or a "
+        "quarter of the shortest context's blocks where 129 blocks would hold it whole (1K tokens: 16), since "
+        "every sparse mode would then attend to everything.", show_default=False)] = None,
     fetch_ratio: FetchRatioOpt = 0.05,
     link_gbps: LinkGbpsOpt = 0.0,
     draft: DraftOpt = "auto",
@@ -159,6 +238,8 @@ def throughput_cmd(
 ) -> None:
     """Throughput of each mode over context lengths and concurrencies (random-token prompts, greedy).
 
+    Default --kv-cache-gb: on CUDA 90% of the free memory; on the CPU the dense KV of half the top concurrency.
+
     Example: oasisbench throughput --modes dense,oasiskv --context-len 1024 --concurrency 1,4,8
     """
     mode_list = _modes(modes)
@@ -166,7 +247,21 @@ def throughput_cmd(
     contexts = _ints(context_len, "--context-len")
     concurrencies = _ints(concurrency, "--concurrency")
     device = default_device(device)
-    top_k = top_k_blocks if top_k_blocks is not None else (128 if device.startswith("cuda") else 16)
+    positive_gb(kv_cache_gb, "--kv-cache-gb")
+    notes = []
+    if top_k_blocks is None:
+        top_k = default_top_k_blocks(contexts)
+    else:
+        top_k = top_k_blocks
+        notes.append(top_k_note(top_k, contexts) if any(m != "dense" for m in mode_list) else None)
+    if kv_cache_gb is None and not device.startswith("cuda"):
+        try:
+            kv_cache_gb, n_dense = demo_kv_budget(model, default_dtype(dtype, device), contexts, concurrencies)
+        except (FileNotFoundError, ValueError, ImportError) as e:
+            raise fail(str(e)) from None
+        notes.append(f"device KV budget: {kv_cache_gb:.3g} GiB, the dense KV of {n_dense} request(s) of "
+                     f"{max(contexts):,} tokens (the CPU's default, a stand-in for a GPU's memory wall; "
+                     "--kv-cache-gb sets it)")
     common = dict(model=model, output_len=output_len, kv_cache_gb=kv_cache_gb, top_k_blocks=top_k,
                   fetch_ratio=fetch_ratio, draft=draft, device=device, dtype=dtype or "", seed=seed,
                   measure_recall=measure_recall)
@@ -181,10 +276,12 @@ def throughput_cmd(
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
     points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
               for ctx in contexts for c in concurrencies for m in mode_list]
-    execute(points, open_store(output_dir, suite_name, resume), window=window)
+    execute(ctx, points, output_dir, suite_name, resume, window=window,
+            notes="\n".join(n for n in notes if n) or None)
 
 
 def run_cmd(
+    ctx: typer.Context,
     suite_path: Annotated[Path, typer.Argument(help="Suite YAML, e.g. suites/throughput/ci-smoke.yaml.",
                                                show_default=False)],
     output_dir: OutputDirOpt = Path("results"),
@@ -204,5 +301,4 @@ def run_cmd(
         raise fail(str(e)) from None
     if suite.kind != "throughput":
         raise fail(f"{suite_path}: kind {suite.kind!r} is not run here; `oasisbench run` runs throughput suites")
-    store = open_store(output_dir, suite.name, resume)
-    execute(suite.expand(), store, suite.gate, window)
+    execute(ctx, suite.expand(), output_dir, suite.name, resume, suite.gate, window)

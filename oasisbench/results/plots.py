@@ -27,18 +27,19 @@ RUNNING_BATCH_PNG = "running_batch_vs_concurrency.png"
 TPOT_PNG = "tpot_vs_concurrency.png"
 ROOFLINE_PNG = "roofline.png"
 
-#: (file name, metric, y label) of the per-concurrency line plots.
-LINE_PLOTS: tuple[tuple[str, str, str], ...] = (
-    (THROUGHPUT_PNG, "output_throughput", "output throughput (tok/s)"),
-    (RUNNING_BATCH_PNG, "max_running_batch", "max running batch (requests)"),
-    (TPOT_PNG, "median_tpot_ms", "median TPOT (ms)"),
+#: (file name, metric, y label, title) of the per-concurrency line plots.
+LINE_PLOTS: tuple[tuple[str, str, str, str], ...] = (
+    (THROUGHPUT_PNG, "output_throughput", "output throughput (tokens/s)", "output throughput"),
+    (RUNNING_BATCH_PNG, "max_running_batch", "most requests decoding at once", "requests the KV budget admitted"),
+    (TPOT_PNG, "median_tpot_ms", "median time per output token (ms)", "time per output token"),
 )
 
-# One fixed color per mode so every plot of every run reads the same way.
+# One fixed color and marker per mode so every plot of every run reads the same way. The baseline is drawn
+# last, small and filled, over the hollow markers of the other modes: equal values show both, never one.
 _MODE_COLORS = dict(zip(MODES, ("tab:gray", "tab:blue", "tab:red", "tab:orange", "tab:green"), strict=True))
+_MODE_MARKERS = dict(zip(MODES, ("o", "s", "^", "D", "X"), strict=True))
 _EXTRA_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 _LINESTYLES = ("-", "--", ":", "-.")
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 
 def plots_available() -> bool:
@@ -64,14 +65,31 @@ def mode_color(mode: str, all_modes: list[str]) -> str:
     return _EXTRA_COLORS[extras.index(mode) % len(_EXTRA_COLORS)] if mode in extras else "black"
 
 
-def _varying_keys(records: list[Record], exclude: set[str]) -> list[str]:
-    """Point keys whose value differs between records: the ones a legend must name."""
-    keys = sorted({k for r in records for k in r["point"]} - exclude)
-    return [k for k in keys if len({repr(normalize_value(r["point"].get(k))) for r in records}) > 1]
+def _mode_style(mode: str, all_modes: list[str]) -> dict[str, Any]:
+    """Line and marker keywords of one mode: dense small, filled and on top; the others larger and hollow."""
+    color = mode_color(mode, all_modes)
+    rank = all_modes.index(mode) if mode in all_modes else len(all_modes)
+    base = mode == "dense"
+    return dict(color=color, marker=_MODE_MARKERS.get(mode, "P"), markersize=6 if base else 10,
+                markerfacecolor=color if base else "none", markeredgewidth=1.5, linewidth=2.2 if base else 1.6,
+                zorder=10 - rank if not base else 20)
+
+
+def _series_keys(records: list[Record]) -> list[str]:
+    """Point keys that tell two series of one mode apart: those taking more than one value among the records of
+    one (mode, context_len, concurrency). Keys that only follow the concurrency (``num_requests`` defaults to it)
+    or only differ between modes (sparse settings dense does not have) would split each mode's line into dots."""
+    groups: dict[tuple[Any, ...], list[Record]] = {}
+    for r in records:
+        p = r["point"]
+        groups.setdefault((p["mode"], int(p["context_len"]), p["concurrency"]), []).append(r)
+    keys = sorted({k for r in records for k in r["point"]} - {"mode", "context_len", "concurrency"})
+    return [k for k in keys
+            if any(len({repr(normalize_value(r["point"].get(k))) for r in g}) > 1 for g in groups.values())]
 
 
 def _title(run: Run, what: str) -> str:
-    title = f"{run.suite} / {run.run_id}: {what}"
+    title = f"{what}\n{run.suite} / {run.run_id}"
     # Random-weight runs measure the runtime, not the model: say so on the figure itself, since PNGs
     # get pasted into slides without the report around them.
     return title + " [RANDOM WEIGHTS]" if run.env.get("random_weights") else title
@@ -83,57 +101,73 @@ def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     # Fixed margins instead of tight/constrained layout: those re-draw the figure to measure it, which
     # doubles the cost of every plot in a report over a long sweep.
-    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.11, top=0.92)
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.84, wspace=0.25)
     fig.savefig(path, dpi=100)
     return path
 
 
-def plot_metric_vs_concurrency(run: Run, metric: str, ylabel: str, path: Path) -> Path | None:
-    """One line per (mode, context_len, other varying point keys) of ``metric`` against concurrency.
+def _ctx_label(ctx: int) -> str:
+    return f"{ctx // 1024}K" if ctx % 1024 == 0 else f"{ctx:,}"
 
-    Returns None, writing nothing, when no record has the metric.
-    """
+
+def _concurrency_axis(ax: Any, concurrencies: list[float]) -> None:
+    """Ticks at the measured concurrencies themselves (1, 4, 16), log2-spaced when they span 8x or more."""
+    if len(concurrencies) > 1 and concurrencies[0] > 0 and concurrencies[-1] / concurrencies[0] >= 8:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_formatter("")
+    ax.set_xticks(concurrencies, labels=[f"{c:g}" for c in concurrencies])
+    ax.set_xlabel("concurrency (requests in flight)")
+
+
+def plot_metric_vs_concurrency(run: Run, metric: str, ylabel: str, path: Path, what: str | None = None) -> Path | None:
+    """``metric`` against concurrency: one panel per context length, one line per mode (and per value of any
+    other key swept within a mode), one legend entry per line. Returns None, writing nothing, when no record
+    has the metric."""
     records = [r for r in run.records if metric_value(r, metric) is not None]
     if not records:
         return None
     modes = order_modes({r["point"]["mode"] for r in records})
     contexts = sorted({int(r["point"]["context_len"]) for r in records})
-    extra_keys = _varying_keys(records, {"mode", "context_len", "concurrency"})
+    extra_keys = _series_keys(records)
 
     series: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
     for r in records:
         p = r["point"]
         key = (p["mode"], int(p["context_len"]), *(repr(normalize_value(p.get(k))) for k in extra_keys))
         series.setdefault(key, []).append((float(p["concurrency"]), metric_value(r, metric) or 0.0))
+    variants = sorted({k[2:] for k in series})
 
-    fig = _new_figure(8, 5)
-    ax = fig.add_subplot()
-    for key in sorted(series, key=lambda k: (modes.index(k[0]), *k[1:])):
-        mode, ctx = key[0], key[1]
-        xs = [x for x, _ in sorted(series[key])]
-        ys = [y for _, y in sorted(series[key])]
-        extras = zip(extra_keys, key[2:], strict=True)
-        label = f"{mode} ctx={ctx}" + "".join(f" {k}={v}" for k, v in extras if v != "None")
-        ax.plot(
-            xs,
-            ys,
-            color=mode_color(mode, modes),
-            linestyle=_LINESTYLES[contexts.index(ctx) % len(_LINESTYLES)],
-            marker=_MARKERS[contexts.index(ctx) % len(_MARKERS)],
-            label=label,
-        )
-    # Concurrency sweeps are usually powers of two; log2 spacing keeps 1..256 readable.
+    fig = _new_figure(min(16, 4.5 + 3.5 * len(contexts)), 5)
+    axes = [fig.add_subplot(1, len(contexts), i + 1) for i in range(len(contexts))]
     concurrencies = sorted({float(r["point"]["concurrency"]) for r in records})
-    if len(concurrencies) > 1 and concurrencies[0] > 0 and concurrencies[-1] / concurrencies[0] >= 8:
-        ax.set_xscale("log", base=2)
-        # Label the measured concurrencies themselves (1, 4, 16), not 2^0, 2^2, 2^4.
-        ax.set_xticks(concurrencies, labels=[f"{c:g}" for c in concurrencies])
-        ax.xaxis.set_minor_formatter("")
-    ax.set_xlabel("concurrency (requests)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(_title(run, metric), fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    for ax, ctx in zip(axes, contexts, strict=True):
+        for key in sorted(series, key=lambda k: (modes.index(k[0]), *k[2:])):
+            if key[1] != ctx:
+                continue
+            mode, pts = key[0], sorted(series[key])
+            label = mode + "".join(f" {k}={v}" for k, v in zip(extra_keys, key[2:], strict=True) if v != "None")
+            ax.plot([x for x, _ in pts], [y for _, y in pts], label=label,
+                    linestyle=_LINESTYLES[variants.index(key[2:]) % len(_LINESTYLES)], **_mode_style(mode, modes))
+        if metric == "max_running_batch":  # the ceiling: every request in flight admitted
+            from matplotlib.ticker import MaxNLocator
+
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.plot(concurrencies, concurrencies, color="black", linewidth=0.8, linestyle=":", zorder=1)
+            ax.text(0.98, 0.02, "dotted: = concurrency (every request admitted)", transform=ax.transAxes,
+                    ha="right", va="bottom", fontsize=8)
+        _concurrency_axis(ax, concurrencies)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"context {ctx:,} tokens", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[1:]:  # a line present only in a later panel still gets its one entry
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    axes[0].legend(handles, labels, fontsize=8)
+    fig.suptitle(_title(run, what or metric), fontsize=10)
     return _save(fig, path)
 
 
@@ -150,44 +184,54 @@ def roofline_intensity(record: Record) -> float | None:
     return 1.0 / resident
 
 
+def _log_axis(axis: Any, values: list[float]) -> None:
+    """Plain-number tick labels on a log axis (1, 2, 5 x 10^n), so one spanning less than a decade is numbered
+    too (the default leaves it with no label at all)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:.3g}"))
+    axis.set_minor_formatter(NullFormatter())
+    lo, hi = min(values), max(values)
+    axis.axes.set_xlim(lo / 2, hi * 2) if axis is axis.axes.xaxis else axis.axes.set_ylim(lo / 2, hi * 2)
+
+
 def plot_roofline(run: Run, path: Path) -> Path | None:
-    """The paper's Fig. 1: output throughput against token-KV intensity, log-log, one dot per record,
-    colored by mode, marker by context length. Returns None when no record has both values."""
-    points: list[tuple[str, int, float, float]] = []
+    """The paper's Fig. 1: output throughput against token-KV intensity, log-log, one point per record, one
+    marker and color per mode (one legend entry each), every point labelled with its concurrency (and context
+    length when the run has several). Returns None when no record has both values."""
+    points: list[tuple[str, int, int, float, float]] = []
     for r in run.records:
         x, y = roofline_intensity(r), metric_value(r, "output_throughput")
         if x is not None and y is not None and y > 0:
-            points.append((r["point"]["mode"], int(r["point"]["context_len"]), x, y))
+            p = r["point"]
+            points.append((p["mode"], int(p["context_len"]), int(p["concurrency"]), x * 2**30, y))
     if not points:
         return None
     modes = order_modes({p[0] for p in points})
-    contexts = sorted({p[1] for p in points})
+    several_contexts = len({p[1] for p in points}) > 1
 
-    fig = _new_figure(7, 5)
+    fig = _new_figure(8, 5.5)
     ax = fig.add_subplot()
     for mode in modes:
-        for ctx in contexts:
-            sel = [(x, y) for m, c, x, y in points if m == mode and c == ctx]
-            if sel:
-                xs, ys = [x for x, _ in sel], [y for _, y in sel]
-                ax.scatter(
-                    xs,
-                    ys,
-                    color=mode_color(mode, modes),
-                    marker=_MARKERS[contexts.index(ctx) % len(_MARKERS)],
-                    label=f"{mode} ctx={ctx}",
-                    alpha=0.85,
-                )
+        sel = [p for p in points if p[0] == mode]
+        style = _mode_style(mode, modes)
+        ax.plot([p[3] for p in sel], [p[4] for p in sel], linestyle="none", label=mode, **style)
+        for _, ctx, conc, x, y in sel:
+            text = f"c={conc}" + (f" {_ctx_label(ctx)}" if several_contexts else "")
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(7, -3 if mode == "dense" else 5),
+                        fontsize=8, color=style["color"])
     ax.set_xscale("log")
     ax.set_yscale("log")
-    # Minor tick labels on a log axis spanning less than a decade overlap into a smear.
-    ax.xaxis.set_minor_formatter("")
-    ax.yaxis.set_minor_formatter("")
-    ax.set_xlabel("token-KV intensity (output tokens per resident KV byte per step)")
-    ax.set_ylabel("output throughput (tok/s)")
-    ax.set_title(_title(run, "throughput vs token-KV intensity"), fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    _log_axis(ax.xaxis, [p[3] for p in points])
+    _log_axis(ax.yaxis, [p[4] for p in points])
+    ax.set_xlabel("token-KV intensity (output tokens per GiB of resident KV read per step; = 1 / resident GiB "
+                  "per request)", fontsize=9)
+    ax.set_ylabel("output throughput (tokens/s)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, title="mode (points: c = concurrency)", title_fontsize=8)
+    fig.suptitle(_title(run, "throughput vs token-KV intensity (right: a smaller working set per request)"),
+                 fontsize=10)
     return _save(fig, path)
 
 
@@ -204,7 +248,8 @@ def write_plots(run: Run, out_dir: Path | None = None) -> list[Path]:
     if target is None:
         raise ValueError("run has no directory; pass out_dir")
     target.mkdir(parents=True, exist_ok=True)
-    written = [plot_metric_vs_concurrency(run, metric, ylabel, target / name) for name, metric, ylabel in LINE_PLOTS]
+    written = [plot_metric_vs_concurrency(run, metric, ylabel, target / name, what)
+               for name, metric, ylabel, what in LINE_PLOTS]
     written.append(plot_roofline(run, target / ROOFLINE_PNG))
     return [p for p in written if p is not None]
 

@@ -136,13 +136,9 @@ def ratio_rows(run: Run, numerator: str, denominator: str) -> tuple[list[str], l
     Records pair up on every point key except ``mode`` and the sparse-only settings (dense has no
     top-K), so each oasiskv variant is set against the dense record of the same context and concurrency.
     """
-    ignore = {"mode", *SPARSE_ONLY_POINT_KEYS}
-
-    def key(r: Record) -> str:
-        return point_id({k: v for k, v in r["point"].items() if k not in ignore})
-
-    dens = {key(r): r for r in run.records if r["point"]["mode"] == denominator}
-    nums = [r for r in run.records if r["point"]["mode"] == numerator and key(r) in dens]
+    pairs = _paired(run, numerator, denominator)
+    dens = {id(n): d for n, d in pairs}
+    nums = [n for n, _ in pairs]
     shown = ["context_len", "concurrency"] + _varying_keys(nums, {"mode", "context_len", "concurrency"})
     header = shown + [
         f"{numerator} tok/s",
@@ -154,7 +150,7 @@ def ratio_rows(run: Run, numerator: str, denominator: str) -> tuple[list[str], l
     ]
     rows = []
     for r in sorted(nums, key=lambda r: tuple(_sort_value(r["point"].get(k)) for k in shown)):
-        d = dens[key(r)]
+        d = dens[id(r)]
         rows.append(
             [fmt_number(r["point"].get(k)) for k in shown]
             + [_cell(r, "output_throughput"), _cell(d, "output_throughput")]
@@ -163,6 +159,72 @@ def ratio_rows(run: Run, numerator: str, denominator: str) -> tuple[list[str], l
             + [_ratio(metric_value(r, "max_running_batch"), metric_value(d, "max_running_batch"))]
         )
     return header, rows
+
+
+def _paired(run: Run, numerator: str, denominator: str) -> list[tuple[Record, Record]]:
+    """(numerator record, denominator record) of every point both modes ran, matched as in :func:`ratio_rows`."""
+    ignore = {"mode", *SPARSE_ONLY_POINT_KEYS}
+
+    def key(r: Record) -> str:
+        return point_id({k: v for k, v in r["point"].items() if k not in ignore})
+
+    dens = {key(r): r for r in run.records if r["point"]["mode"] == denominator}
+    return [(r, dens[key(r)]) for r in run.records if r["point"]["mode"] == numerator and key(r) in dens]
+
+
+def _values(records: list[Record], key: str, spec: str | None = None) -> str:
+    """The distinct values of a point key, in order, comma-separated."""
+    vals = sorted({normalize_value(r["point"].get(key)) for r in records} - {None}, key=_sort_value)
+    return ", ".join(format(v, spec) if spec else fmt_number(v) for v in vals)
+
+
+def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dense") -> list[str]:
+    """Three lines saying what the run compared, what the batch ratio shows and how to read the throughput ratio
+    (printed at the end of ``oasisbench throughput`` and heading the report's ratio table). Empty when the run
+    has no point that both modes ran."""
+    pairs = _paired(run, numerator, denominator)
+    if not pairs:
+        return []
+    recs = [r for pair in pairs for r in pair]
+    gbs = {normalize_value(r["point"].get("kv_cache_gb")) for r in recs}
+    budget = ("the default device KV budget" if gbs == {None} else
+              f"{_values(recs, 'kv_cache_gb', '.3g')} GiB of device KV")
+    shape = f"{_values(recs, 'context_len')} tokens"
+    if {r["point"].get("output_len") for r in recs} - {None}:
+        shape += f", {_values(recs, 'output_len')} generated"
+    compared = (f"Compared {denominator} and {numerator} on the same requests ({shape}; concurrency "
+                f"{_values(recs, 'concurrency')}) with {budget} for each.")
+    ok = [(a, b) for a, b in pairs if not a["metrics"].get("error") and not b["metrics"].get("error")]
+    failed = f" {len(pairs) - len(ok)} point(s) failed in one mode: no ratio there." if len(ok) < len(pairs) else ""
+    if not ok:
+        return [compared, f"Capacity: no point ran in both modes.{failed}",
+                "Nothing to compare: fix the failures above (e.g. a larger --kv-cache-gb) and run again."]
+
+    def ratio(a: Record, b: Record, metric: str) -> float | None:
+        va, vb = metric_value(a, metric), metric_value(b, metric)
+        return va / vb if va is not None and vb else None
+
+    # The point where the budget separated the modes most (the largest batch ratio, then the largest concurrency).
+    a, b = max(ok, key=lambda ab: (ratio(*ab, "max_running_batch") or 0.0, ab[0]["point"]["concurrency"],
+                                   ab[0]["point"]["context_len"]))
+    batch_ratio = ratio(a, b, "max_running_batch")
+    where = f"c={a['point']['concurrency']}" + (f", {fmt_number(a['point']['context_len'])} tokens"
+                                                 if len({r['point']['context_len'] for r in recs}) > 1 else "")
+    if batch_ratio is not None and batch_ratio > 1.0:
+        capacity = (f"Capacity: at {where} the budget fit {_cell(b, 'max_running_batch')} {denominator} requests at "
+                    f"once and {_cell(a, 'max_running_batch')} {numerator} ({batch_ratio:.2f}x): {numerator} keeps "
+                    f"only a working set per request on the device.{failed}")
+    else:
+        capacity = (f"Capacity: the budget fit every request in both modes (1.00x): no capacity wall here; lower "
+                    f"--kv-cache-gb or raise --concurrency to see one.{failed}")
+    tput = ratio(a, b, "output_throughput")
+    cpu = str(run.env.get("device") or "").startswith("cpu")
+    why = ("" if tput is None else f" (the bigger batch outweighed {numerator}'s per-step selection cost)"
+           if tput >= 1 else f" ({numerator}'s per-step selection cost outweighed the bigger batch here)")
+    reading = (f"Throughput: {numerator}/{denominator} tok/s at {where} = {'–' if tput is None else f'{tput:.2f}x'}"
+               f"{why}. " + ("CPU timings are noisy and a CPU step is compute-bound, not memory-bound as a GPU's "
+                             "decode: trust the batch ratio." if cpu else "Runs compare with `oasisbench compare`."))
+    return [compared, capacity, reading]
 
 
 def render_report(run: Run, plot_link_prefix: str = "") -> str:
@@ -201,15 +263,21 @@ def render_report(run: Run, plot_link_prefix: str = "") -> str:
         ]
         lines += [f"## context_len = {ctx:,}", ""] + _table(header, rows) + [""]
 
+    failed = [r for r in run.records if r["metrics"].get("error")]
+    if failed:
+        lines += ["## Failed points", ""]
+        lines += [f"- {r['point']['mode']} ctx={r['point']['context_len']} c={r['point']['concurrency']}: "
+                  f"{r['metrics']['error']}" for r in failed] + [""]
+
     if "oasiskv" in modes and "dense" in modes:
         header, rows = ratio_rows(run, "oasiskv", "dense")
         if rows:
             lines += ["## oasiskv / dense", ""]
-            lines += ["Both modes ran in this run on the same work, so these ratios are the numbers to trust.", ""]
+            lines += [line + "  " for line in reading_lines(run)] + [""]  # two spaces: a markdown line break
             lines += _table(header, rows) + [""]
 
     if run.path is not None:
-        names = [name for name, _, _ in LINE_PLOTS] + [ROOFLINE_PNG]
+        names = [name for name, *_ in LINE_PLOTS] + [ROOFLINE_PNG]
         plots = [n for n in names if (run.path / n).exists()]
         if plots:
             lines += ["## Plots", ""]
@@ -223,6 +291,10 @@ def _run_label(run: Run) -> str:
     extra = ", ".join(f"{k} `{env[k]}`" for k in ("git_commit", "device", "model") if env.get(k))
     rw = " **RANDOM WEIGHTS**" if env.get("random_weights") else ""
     return f"`{run.suite}/{run.run_id}`" + (f" ({extra})" if extra else "") + rw
+
+
+#: Short names of the point keys most compare rows differ in.
+_SHORT_KEYS = {"context_len": "ctx", "concurrency": "c"}
 
 
 def compare_runs(run_a: Run, run_b: Run, metrics: tuple[str, ...] | list[str] = COMPARE_METRICS) -> str:
@@ -240,6 +312,25 @@ def compare_runs(run_a: Run, run_b: Run, metrics: tuple[str, ...] | list[str] = 
         lines.append(f"- **warning**: different suites: {run_a.suite!r} vs {run_b.suite!r}")
     lines.append("")
 
+    # Full point ids run to a dozen keys, and a terminal cuts table cells: label each row by its mode and the keys
+    # that differ between points, and list the keys every point shares once.
+    matched = [a_by[pid]["point"] for pid in common]
+    by_mode: dict[str, list[Record]] = {}
+    for pid in common:
+        by_mode.setdefault(a_by[pid]["point"]["mode"], []).append(a_by[pid])
+    # keys that only differ between modes (a sparse setting dense lacks) add nothing to a row that names its mode
+    varying = sorted({k for recs in by_mode.values() for k in _varying_keys(recs, {"mode"})})
+    varying.sort(key=lambda k: (k not in _SHORT_KEYS, list(_SHORT_KEYS).index(k) if k in _SHORT_KEYS else 0, k))
+    shared = {k: v for k, v in (matched[0].items() if matched else ())
+              if k != "mode" and k not in varying and all(normalize_value(m.get(k)) == normalize_value(v)
+                                                          for m in matched)}
+    if any(v is not None for v in shared.values()):
+        lines.insert(-1, "- every matched point: " + point_id(shared).replace(",", ", "))
+
+    def label(point: dict[str, Any]) -> str:
+        parts = [f"{_SHORT_KEYS.get(k, k)}={point_id({k: point.get(k)}).partition('=')[2] or '–'}" for k in varying]
+        return " ".join([str(point["mode"]), *parts])
+
     for metric in metrics:
         rows = []
         for pid in common:
@@ -247,7 +338,7 @@ def compare_runs(run_a: Run, run_b: Run, metrics: tuple[str, ...] | list[str] = 
             va, vb = metric_value(a, metric), metric_value(b, metric)
             if va is None and vb is None:
                 continue
-            rows.append([f"`{pid}`", _cell(a, metric), _cell(b, metric), _ratio(vb, va)])
+            rows.append([label(a["point"]), _cell(a, metric), _cell(b, metric), _ratio(vb, va)])
         if rows:
             unit = " (MiB)" if metric in _MIB_METRICS else ""
             lines += [f"## {metric}{unit}", ""] + _table(["point", "A", "B", "B/A"], rows) + [""]

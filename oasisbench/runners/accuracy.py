@@ -22,9 +22,10 @@ import gc
 import itertools
 import json
 import platform
-import subprocess
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -153,11 +154,9 @@ def _env(cfg: AccuracyConfig) -> dict[str, Any]:
     import torch
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    from oasisbench.runners.throughput import _git_commit
+
+    commit = _git_commit()
     try:
         import lm_eval
 
@@ -189,6 +188,24 @@ def _engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
     return llm
 
 
+@contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """Within this context lm-eval records our commit (None outside a git checkout) as its ``git_hash``:
+    ``simple_evaluate`` runs ``git describe`` from the current directory with stderr left on the terminal, which
+    printed ``fatal: not a git repository`` in every run started outside a checkout."""
+    import lm_eval.evaluator as evaluator
+
+    from oasisbench.runners.throughput import _git_commit
+
+    real = evaluator.get_git_commit_hash
+    commit = _git_commit()
+    evaluator.get_git_commit_hash = lambda: commit
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = real
+
+
 def _run_lm_eval(cfg: AccuracyConfig, llm: Any, task_dir: Path, names: list[str]) -> tuple[list[Sample], dict]:
     """All lm-eval tasks of one engine; LongBench v2 once per truncation budget."""
     from lm_eval import simple_evaluate
@@ -208,9 +225,11 @@ def _run_lm_eval(cfg: AccuracyConfig, llm: Any, task_dir: Path, names: list[str]
             continue
         lm.max_length = min(budget, llm.engine.max_model_len) if budget else llm.engine.max_model_len
         by_lm_name = {T.TASKS[n].lm_eval_task: n for n in group}
-        out = simple_evaluate(model=lm, tasks=list(by_lm_name), task_manager=manager, limit=cfg.limit,
-                              bootstrap_iters=0, apply_chat_template=chat, random_seed=cfg.seed,
-                              numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+        with quiet_git_hash():
+            out = simple_evaluate(model=lm, tasks=list(by_lm_name), task_manager=manager, limit=cfg.limit,
+                                  bootstrap_iters=0, apply_chat_template=chat, random_seed=cfg.seed,
+                                  numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
+                                  fewshot_random_seed=cfg.seed)
         for lm_name, logged in (out or {}).get("samples", {}).items():
             task = by_lm_name[lm_name]
             for s in logged:

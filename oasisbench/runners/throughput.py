@@ -20,11 +20,14 @@ Example::
 
 from __future__ import annotations
 
+import json
 import platform
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,8 +38,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from oasisbench.results.schema import Record, order_modes, point_id
-from oasisbench.results.store import RunStore
+from oasisbench.results.schema import CONFIG_FILE, Record, normalize_value, order_modes, point_id
+from oasisbench.results.store import RunStore, to_jsonable
 from oasiskv_runtime.drafts import resolve_draft
 
 #: Values a point gets for keys it does not set. ``top_k_blocks``, ``fetch_ratio``, ``block_size``:
@@ -261,27 +264,71 @@ def warm_up(llm: Any, point: dict[str, Any]) -> None:
     eng.reset_stats()
 
 
+@contextmanager
+def _token_progress(engine: Any, progress: Progress, task: Any) -> Iterator[None]:
+    """Within this context, advance ``task`` by the tokens the engine's requests generated after every step (and
+    show how much of their prompts has been prefilled), so a point's bar moves from its first tokens on and rich's
+    ETA has a rate to work from. Counting walks the point's requests once per step: nothing next to a step."""
+    seqs: list[Any] = []
+    add_request, step = engine.__dict__.get("add_request"), engine.__dict__.get("step")
+    real_add, real_step = engine.add_request, engine.step
+    num_prompt = [0]
+
+    def add(*args: Any, **kwargs: Any) -> Any:
+        seq = real_add(*args, **kwargs)
+        seqs.append(seq)
+        num_prompt[0] += len(seq.prompt_token_ids)
+        return seq
+
+    def counted_step() -> Any:
+        out = real_step()
+        generated = sum(len(s.output_token_ids) for s in seqs)
+        prefilled = sum(min(s.num_computed_tokens, len(s.prompt_token_ids)) if not s.output_token_ids
+                        else len(s.prompt_token_ids) for s in seqs)
+        share = f"prefill {100 * prefilled // max(1, num_prompt[0])}%" if prefilled < num_prompt[0] else ""
+        progress.update(task, completed=generated, prefill=share)
+        return out
+
+    engine.add_request, engine.step = add, counted_step
+    try:
+        yield
+    finally:  # put back exactly what was there (another wrapper, e.g. traced_steps', or the class method)
+        for name, prev in (("add_request", add_request), ("step", step)):
+            if prev is None:
+                delattr(engine, name)
+            else:
+                setattr(engine, name, prev)
+
+
+def point_label(point: dict[str, Any]) -> str:
+    return f"{point['mode']} ctx={point['context_len']} c={point['concurrency']}"
+
+
 def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | None = None,
-              trace: tuple[tuple[tuple[int, int], ...], Path] | None = None) -> dict[str, Any]:
+              trace: tuple[tuple[tuple[int, int], ...], Path] | None = None, where: str = "") -> dict[str, Any]:
     """Run one point; returns its metrics (with ``error`` set when it failed). ``trace``: (windows, file): profile
-    those windows of the point's engine steps into the file (:mod:`oasisbench.runners.step_trace`)."""
+    those windows of the point's engine steps into the file (:mod:`oasisbench.runners.step_trace`). ``progress``
+    gets one task for the point, counting generated tokens (field ``prefill``: the share of prompt tokens done,
+    blank once all are); ``where`` (e.g. ``"point 2/4"``) heads its description."""
     from oasiskv_runtime import SamplingParams
     from oasisbench.runners.step_trace import traced_steps
 
     p = planned.point
     n = int(p["num_requests"])
-    task = progress.add_task(f"{p['mode']} ctx={p['context_len']} c={p['concurrency']}", total=n) \
+    head = f"{where} " if where else ""
+    task = progress.add_task(f"{head}{point_label(p)}", total=n * int(p["output_len"]), prefill="loading model") \
         if progress is not None else None
     try:
         llm = cache.get(planned)
         prompts = make_prompts(n, p["context_len"] - p["output_len"], llm.engine.model_config.vocab_size, p["seed"])
         params = SamplingParams(max_tokens=p["output_len"], temperature=0.0, ignore_eos=True, seed=p["seed"])
-        advance = (lambda _out: progress.advance(task)) if progress is not None else None
         windows, trace_path = trace if trace is not None else (None, None)
-        with traced_steps(llm.engine, windows, f"{p['mode']} ctx={p['context_len']} c={p['concurrency']} "
-                          f"({planned.pid})", trace_path):
+        with traced_steps(llm.engine, windows, f"{point_label(p)} ({planned.pid})", trace_path), \
+                (_token_progress(llm.engine, progress, task) if progress is not None else nullcontext()):
+            if progress is not None:
+                progress.update(task, prefill="prefill 0%")
             t0 = time.perf_counter()
-            outputs = llm.generate(prompts, params, on_finish=advance)
+            outputs = llm.generate(prompts, params)
             duration = time.perf_counter() - t0
         return point_metrics(outputs, n, duration, llm.engine.run_stats())
     except Exception as e:  # noqa: BLE001  (see EXPECTED_POINT_ERRORS)
@@ -289,8 +336,7 @@ def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | N
         if not isinstance(e, EXPECTED_POINT_ERRORS):
             Console(stderr=True).print_exception(max_frames=8)
         if progress is not None and task is not None:
-            progress.update(task, description=f"[red]FAILED[/] {p['mode']} ctx={p['context_len']} "
-                                              f"c={p['concurrency']}")
+            progress.update(task, description=f"[red]FAILED[/] {head}{point_label(p)}", prefill="")
         return {"completed": 0, "failed": n, "error": f"{type(e).__name__}: {e}"}
 
 
@@ -332,20 +378,56 @@ def _git_commit() -> str | None:
     return (r.stdout.strip() or None) if r.returncode == 0 else None
 
 
+def config_differences(old: dict[str, Any], planned: list[PlannedPoint]) -> list[str]:
+    """What differs between a run's ``config.json`` and ``planned``: one ``key (was ...; now ...)`` per point key
+    whose set of values differs. Empty when they match, or when the old config lists no points (a run killed
+    before writing it)."""
+    if not isinstance(old.get("points"), list):
+        return []
+    new_points = [to_jsonable(pp.point) for pp in planned]
+
+    def values(points: list[dict[str, Any]], key: str) -> list[str]:
+        vals = {json.dumps(normalize_value(pt.get(key)), sort_keys=True) for pt in points}
+        return sorted(vals, key=lambda v: (len(v), v))
+
+    keys = sorted({k for pt in old["points"] + new_points for k in pt})
+    return [f"{k} (was {', '.join(values(old['points'], k))}; now {', '.join(values(new_points, k))})"
+            for k in keys if values(old["points"], k) != values(new_points, k)]
+
+
+def refuse_other_config(store: RunStore, planned: list[PlannedPoint]) -> None:
+    """Raise ``ValueError`` naming what differs when ``store`` (a resumed run) was recorded with other points."""
+    config_path = store.path / CONFIG_FILE
+    if config_path.is_file():
+        diff = config_differences(json.loads(config_path.read_text(encoding="utf-8")), planned)
+        if diff:
+            raise ValueError(f"{store.path} was recorded with another configuration; --resume continues a run with "
+                             f"the flags it was started with. Differs: {'; '.join(diff)}")
+
+
 def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Progress | None = None,
                    trace_window: tuple[tuple[int, int], ...] | None = None) -> None:
-    """Run every point not already recorded in ``store``; write config.json, env.json and metrics.json.
+    """Plan ``points`` (:func:`plan_points`) and run them (:func:`run_planned`).
+
+    Raises ``ValueError`` (before running anything) for invalid points; see the module docstring.
+    """
+    run_planned(plan_points(points), store, progress, trace_window)
+
+
+def run_planned(planned: list[PlannedPoint], store: RunStore, progress: Progress | None = None,
+                trace_window: tuple[tuple[int, int], ...] | None = None) -> None:
+    """Run every planned point not already recorded in ``store``; write config.json, env.json and metrics.json.
     ``trace_window`` ((start, count), ...): profile those engine steps of each point run into ``traces.txt`` in the
     run directory (the profiled steps are slower: their point's timings are marked ``traced_steps``).
 
-    Raises ``ValueError`` (before running anything) for invalid points; see the module docstring.
-    ``progress`` gets one task per point, advanced per finished request; :func:`summary_table` renders
-    the result.
+    Raises ``ValueError`` before running anything when ``store`` is a resumed run recorded with other points (its
+    config.json differs: resuming would mix two sweeps in one run). ``progress`` gets one task per point
+    (:func:`run_point`); :func:`summary_table` renders the result.
     """
     from oasiskv_runtime.models.presets import preset_names
     from oasisbench.runners.step_trace import window_label
 
-    planned = plan_points(points)
+    refuse_other_config(store, planned)
     store.write_config({
         "suite": store.suite,
         "points": [pp.point for pp in planned],
@@ -355,11 +437,11 @@ def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Prog
     store.write_env(environment(planned, random_weights))
     done = {point_id(r["point"]) for r in store.records if not r["metrics"].get("error")}
     cache = _EngineCache()
-    for pp in planned:
+    for i, pp in enumerate(planned):
         if pp.pid in done:
             continue
         trace = (trace_window, store.path / "traces.txt") if trace_window is not None else None
-        metrics = run_point(pp, cache, progress, trace)
+        metrics = run_point(pp, cache, progress, trace, where=f"point {i + 1}/{len(planned)}")
         if trace_window is not None:
             metrics["traced_steps"] = window_label(trace_window)
         store.add_record(pp.point, metrics)
