@@ -85,6 +85,7 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
         out["disable_log_stats"] = False
     if not opts.enabled:
         return out
+    _forget_cached_backend()
     out["additional_config"] = {CONFIG_KEY: opts.to_dict()}
     out["block_size"] = opts.block_size
     if _on_cuda(platform):
@@ -92,15 +93,28 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     return out
 
 
+def _forget_cached_backend() -> None:
+    """vLLM caches its attention-backend choice per process; an engine created in this process before (in-process
+    mode, VLLM_ENABLE_V1_MULTIPROCESSING=0) would make the next one reuse it and skip ours. Forget it (a private
+    cache: nothing happens where it does not exist)."""
+    try:
+        from vllm.v1.attention import selector
+    except ImportError:
+        return
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
 def serve_flags(**kwargs: Any) -> list[str]:
     """The same options as ``vllm serve`` flags: ``vllm serve MODEL $(...)`` (takes :func:`engine_args`' arguments)."""
     flags: list[str] = []
     for key, value in engine_args(**kwargs).items():
+        if key == "disable_log_stats":  # the server logs its stats (acceptance included) by default
+            continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, dict):
             flags += [flag, json.dumps(value, separators=(",", ":"))]
-        elif isinstance(value, bool):
-            flags.append(flag if value else "--no-" + key.replace("_", "-"))
         else:
             flags += [flag, str(value)]
     return flags
