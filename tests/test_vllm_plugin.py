@@ -147,6 +147,40 @@ HQ, HKV, D = 6, 3, 64
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
+def test_plugin_resolves_backend_names_by_the_engines_options():
+    """CPU_ATTN is vLLM's own class unless the config in force asks for OasisKV; CUSTOM is ours and refuses a config
+    that does not; generated classes resolve back from their own dotted path."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from oasiskv_runtime.vllm import plugin
+
+    assert plugin.CPU_ATTN is CPUAttentionBackend  # outside an engine
+    with set_current_vllm_config(VllmConfig()):
+        assert plugin.CPU_ATTN is CPUAttentionBackend  # plain vLLM
+        with pytest.raises(ValueError, match="CUSTOM attention backend is OasisKV's"):
+            plugin.CUSTOM
+    with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": "dense"}})):
+        assert plugin.CPU_ATTN is CPUAttentionBackend
+    with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": "sparse-resident"}})):
+        ours = plugin.CPU_ATTN
+        assert issubclass(ours, CPUAttentionBackend) and ours is not CPUAttentionBackend
+        assert ours.get_name() == "CPU_ATTN" and ours.get_impl_cls().kv_layout == "cpu"
+        assert resolve_obj_by_qualname(".".join(ours.full_cls_name())) is ours
+        custom = plugin.CUSTOM
+        assert custom.get_name() == "FLASH_ATTN" and custom.get_impl_cls().kv_layout == "packed"
+        assert resolve_obj_by_qualname(".".join(custom.full_cls_name())) is custom
+    for mode in ("oasiskv", "proxy-prefetch"):
+        with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": mode}})):
+            with pytest.raises(NotImplementedError, match="not implemented on vLLM yet"):
+                plugin.CPU_ATTN
+    with pytest.raises(AttributeError):
+        plugin.not_a_backend
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
     """engine_args for each mode, and the same options as `vllm serve` flags parsed by vLLM's own CLI parser."""

@@ -48,12 +48,10 @@ def _base(name: str) -> type:
     return resolve_obj_by_qualname(_BASES[name])
 
 
-def current_options() -> VllmOptions | None:
-    """Our options from the vLLM config being built or run in this process (None outside one, or not asked)."""
+def _current_config() -> Any:
     from vllm.config import get_current_vllm_config_or_none
 
-    cfg = get_current_vllm_config_or_none()
-    return None if cfg is None else VllmOptions.from_vllm_config(cfg)
+    return get_current_vllm_config_or_none()
 
 
 def _enabled_backend(base_name: str, opts: VllmOptions) -> type:
@@ -68,21 +66,23 @@ def _enabled_backend(base_name: str, opts: VllmOptions) -> type:
 
 
 def __getattr__(name: str) -> Any:
+    base = name[len("OasisKV_"):] if name.startswith("OasisKV_") else None
+    if name not in ("CPU_ATTN", "CUSTOM") and base not in _BASES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from oasiskv_runtime.vllm.backend import oasiskv_backend
+
+    if base is not None:  # a generated backend looked up again by its own path (vLLM's CUDA platform does this)
+        return oasiskv_backend(_base(base))
+    cfg = _current_config()
+    opts = None if cfg is None else VllmOptions.from_vllm_config(cfg)
     if name == "CPU_ATTN":
-        opts = current_options()
         if opts is None or not opts.enabled:
             return _base("CPU_ATTN")
         return _enabled_backend("CPU_ATTN", opts)
-    if name == "CUSTOM":
-        opts = current_options()
-        if opts is None or not opts.enabled:
-            raise ValueError(
-                "the CUSTOM attention backend is OasisKV's: enable it with "
-                "additional_config={'oasiskv': {'mode': 'sparse-resident', ...}} (see oasiskv_runtime.vllm.engine_args)")
-        return _enabled_backend("FLASH_ATTN", opts)
-    if name.startswith("OasisKV_") and name[len("OasisKV_"):] in _BASES:
-        # A generated backend looked up again by its own path (vLLM's CUDA platform does this).
-        from oasiskv_runtime.vllm.backend import oasiskv_backend
-
-        return oasiskv_backend(_base(name[len("OasisKV_"):]))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if cfg is None:  # CUSTOM looked up outside an engine's config: the class itself (its parts read the options)
+        return oasiskv_backend(_base("FLASH_ATTN"))
+    if opts is None or not opts.enabled:
+        raise ValueError(
+            "the CUSTOM attention backend is OasisKV's: enable it with "
+            "additional_config={'oasiskv': {'mode': 'sparse-resident', ...}} (see oasiskv_runtime.vllm.engine_args)")
+    return _enabled_backend("FLASH_ATTN", opts)
