@@ -113,6 +113,53 @@ def test_padding_requests_are_not_decodes():
     assert plan.num_decodes == 2 and plan.batch.q_rows.tolist() == [0, 1]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [4, 128])
+def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
+    """CUDA, no vLLM needed: the backend's summary rebuild and decode path through the Triton kernels over a cache
+    laid out as FLASH_ATTN stores it (K and V side by side, NHD), against the PyTorch references. Not run yet (the
+    H200 session ran /work/main's tree)."""
+    from oasiskv_runtime.ops.summary_update import update_summaries_runs
+    from oasiskv_runtime.vllm.backend import OasisKVImplMixin, kv_views
+
+    class Impl(OasisKVImplMixin):
+        def __init__(self, kernels):  # the mixin's own __init__ reads vLLM's config: set what it would
+            self.oasiskv = VllmOptions(top_k_blocks=top_k, kernels=kernels)
+            self.num_heads, self.num_kv_heads, self.head_size, self.scale = hq, hkv, d, d ** -0.5
+            self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
+            self.kv_layout = "packed"
+
+    torch.manual_seed(0)
+    dev, nb, hq, hkv, d = "cuda", 512, 16, 4, 128
+    kv_cache = torch.randn(nb, BS, hkv, 2 * d, device=dev, dtype=dtype).permute(0, 2, 1, 3)  # logical (B,H,N,2D)
+    k_cache, v_cache = kv_views(kv_cache, "packed", d)
+    seq_lens, query_lens = [133, 390, 17, 256, 301, 48], [2, 2, 1, 2, 1, 2]
+    table = torch.randperm(nb, device=dev)[:6 * 26].view(6, 26).int()
+    seqs = torch.tensor(seq_lens, dtype=torch.int32)
+    whole = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int32)
+    init = plan_step(whole.to(dev), whole, seqs.to(dev), seqs, table, 0, max(seq_lens), BS).runs
+    summaries = {}
+    for backend in ("auto", "ref"):
+        smin = torch.zeros(nb, 1, hkv, d, device=dev, dtype=dtype)
+        smax = torch.zeros_like(smin)
+        rows = k_cache.index_select(0, init.blocks).flatten(0, 1)
+        update_summaries_runs(rows, init.pad_idx, init.blocks, init.reset, smin, smax, backend=backend)
+        summaries[backend] = smin, smax
+    assert all(torch.equal(a, b) for a, b in zip(summaries["auto"], summaries["ref"]))
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    plan = plan_step(qsl.to(dev), qsl, seqs.to(dev), seqs, table, 6, max(seq_lens), BS)
+    n = int(qsl[-1])
+    q = torch.randn(n, hq, d, device=dev, dtype=dtype)
+    k, v = torch.randn(n, hkv, d, device=dev, dtype=dtype), torch.randn(n, hkv, d, device=dev, dtype=dtype)
+    outs = {}
+    for kernels in ("auto", "ref"):
+        outs[kernels] = torch.zeros_like(q)
+        Impl(kernels)._sparse_decode(plan.batch, q, k, v, k_cache, v_cache, *summaries["ref"], outs[kernels])
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(outs["auto"].float(), outs["ref"].float(), rtol=tol, atol=tol)
+
+
 def test_options_and_version_errors():
     assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
     for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
