@@ -1,0 +1,147 @@
+"""OasisKV inside vLLM (front end 2): an attention backend registered through vLLM's plug-in entry point.
+
+Turn it on from Python::
+
+    import vllm
+    from oasiskv_runtime.vllm import engine_args
+    llm = vllm.LLM(model=..., **engine_args(mode="sparse-resident", top_k_blocks=128, draft="ngram"))
+
+or for ``vllm serve`` with the flags of :func:`serve_flags` (docs/vllm.md). Importing this package imports no vLLM;
+the backend modules (``backend``, ``plugin``) are loaded by vLLM itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from oasiskv_runtime.config import Mode
+from oasiskv_runtime.vllm.options import CONFIG_KEY, IMPLEMENTED_MODES, VllmOptions
+from oasiskv_runtime.vllm.version import UnsupportedVllmVersion, check_vllm_version
+
+__all__ = ["engine_args", "serve_flags", "speculative_config", "VllmOptions", "UnsupportedVllmVersion",
+           "spec_decode_counts", "acceptance"]
+
+
+def speculative_config(draft: str | None) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for a draft spec, always ONE speculative token (the look-ahead row).
+
+    ``ngram[:N]``: prompt lookup, suffix matches of 1..N tokens (default 3, as the embedded engine's n-gram draft);
+    ``eagle3:<dir>``: an EAGLE-3 head in ``<dir>``; ``none`` / None: no speculation.
+    """
+    if draft is None or draft == "none":
+        return None
+    kind, _, arg = draft.partition(":")
+    if kind == "ngram":
+        max_n = int(arg) if arg else 3
+        if max_n < 1:
+            raise ValueError(f"draft {draft!r}: N must be >= 1")
+        return {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+                "prompt_lookup_max": max_n}
+    if kind == "eagle3":
+        if not arg:
+            raise ValueError("draft 'eagle3:<dir>' needs the head's directory")
+        return {"method": "eagle3", "model": arg, "num_speculative_tokens": 1}
+    raise ValueError(f"draft {draft!r} has no vLLM counterpart; choose ngram[:N], eagle3:<dir> or none")
+
+
+def _on_cuda(platform: str | None) -> bool:
+    if platform is not None:
+        if platform not in ("cpu", "cuda"):
+            raise ValueError(f"platform must be 'cpu' or 'cuda', got {platform!r}")
+        return platform == "cuda"
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
+def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str | None = "auto",
+                block_size: int = 16, sink_blocks: int = 0, kernels: str = "auto",
+                platform: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
+
+    ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
+    ``proxy-prefetch`` / ``oasiskv`` (host pool: not implemented on vLLM yet, raises). ``draft``: ``auto`` (``ngram``
+    for oasiskv, none otherwise), ``ngram[:N]``, ``eagle3:<dir>`` or ``none``; any draft is vLLM's own speculative
+    decoding with one token, and turns vLLM's stats on so the acceptance rate can be read (:func:`acceptance`).
+    ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
+
+    Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
+    """
+    check_vllm_version()
+    opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
+                       sink_blocks=sink_blocks, kernels=kernels)
+    parsed = opts.parsed_mode
+    if parsed not in IMPLEMENTED_MODES:
+        raise NotImplementedError(
+            f"mode {parsed.value!r} is not implemented on vLLM yet (it needs the host-pool KV connector); "
+            "use 'sparse-resident' or 'dense' on vLLM, or the embedded engine")
+    if draft == "auto":
+        draft = "ngram" if parsed is Mode.OASISKV else None
+    out: dict[str, Any] = {}
+    spec = speculative_config(draft)
+    if spec is not None:
+        out["speculative_config"] = spec
+        out["disable_log_stats"] = False
+    if not opts.enabled:
+        return out
+    _forget_cached_backend()
+    out["additional_config"] = {CONFIG_KEY: opts.to_dict()}
+    out["block_size"] = opts.block_size
+    if _on_cuda(platform):
+        out["attention_backend"] = "CUSTOM"
+    return out
+
+
+def _forget_cached_backend() -> None:
+    """vLLM caches its attention-backend choice per process; an engine created in this process before (in-process
+    mode, VLLM_ENABLE_V1_MULTIPROCESSING=0) would make the next one reuse it and skip ours. Forget it (a private
+    cache: nothing happens where it does not exist)."""
+    try:
+        from vllm.v1.attention import selector
+    except ImportError:
+        return
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
+def serve_flags(**kwargs: Any) -> list[str]:
+    """The same options as ``vllm serve`` flags: ``vllm serve MODEL $(...)`` (takes :func:`engine_args`' arguments)."""
+    flags: list[str] = []
+    for key, value in engine_args(**kwargs).items():
+        if key == "disable_log_stats":  # the server logs its stats (acceptance included) by default
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, dict):
+            flags += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def spec_decode_counts(llm: Any) -> dict[str, int]:
+    """vLLM's speculative-decoding counters (``drafts``, ``draft_tokens``, ``accepted_tokens``) summed over engines,
+    read in-process from ``llm.get_metrics()`` (needs ``disable_log_stats=False``, which ``engine_args`` sets with a
+    draft). Prometheus counters live as long as the process: take the difference of two readings."""
+    out = dict.fromkeys(("drafts", "draft_tokens", "accepted_tokens"), 0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            key = metric.name[len("vllm:spec_decode_num_"):]
+            out[key] += int(metric.value)
+    return out
+
+
+def acceptance(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Acceptance rate (accepted / proposed draft tokens) and mean tokens per verify step (1 + accepted / drafts,
+    the bonus token included) between two :func:`spec_decode_counts` readings."""
+    drafts = after["drafts"] - before["drafts"]
+    proposed = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "tokens_per_step": 1.0 + accepted / drafts if drafts else 1.0}

