@@ -38,6 +38,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from oasisbench.results.schema import MODES, point_id
+from oasiskv_runtime.config import EngineConfig
 
 KINDS = ("throughput", "accuracy")
 TOP_LEVEL_KEYS = ("name", "description", "kind", "defaults", "grid", "points", "gate")
@@ -61,6 +62,18 @@ def _is_modes(v: Any) -> bool:
 
 _Validator = tuple[Callable[[Any], bool], str]
 
+def _engine_spec(name: str) -> _Validator:
+    """An engine option's check and meaning, from the runtime's config tree (None: the engine's default)."""
+    spec = EngineConfig.options()[name]
+    return (lambda v: v is None or spec.check(v)), spec.expect
+
+
+#: Engine options a suite may set, by the same names and rules as the runtime (``EngineConfig.options()``); the byte
+#: budgets are given in GiB here (``kv_cache_gb``, ``host_kv_gb``) and ``max_num_seqs`` is the point's concurrency.
+ENGINE_KEYS: tuple[str, ...] = tuple(name for name, spec in EngineConfig.options().items()
+                                     if spec.section not in ("pd",)
+                                     and name not in ("kv_cache_bytes", "host_kv_bytes", "max_num_seqs"))
+
 #: Allowed option keys in defaults, grid and points: (validator, what the value must be).
 OPTION_SPECS: dict[str, _Validator] = {
     "model": (lambda v: isinstance(v, str) and bool(v), "a model name or path"),
@@ -70,29 +83,13 @@ OPTION_SPECS: dict[str, _Validator] = {
     "output_len": (lambda v: _is_int(v) and v >= 1, "a positive integer (tokens)"),
     "concurrency": (lambda v: _is_int(v) and v >= 1, "a positive integer (requests)"),
     "num_requests": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
-    "kv_cache_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GB)"),
+    "kv_cache_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GiB): the device KV budget"),
     "host_kv_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GiB): the host KV pool of host-pool modes"),
-    "device_tier": (lambda v: isinstance(v, bool), "true or false (host-pool modes: full KV past the host pool "
-                    "in the device KV budget)"),
-    "top_k_blocks": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
-    "fetch_ratio": (lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "draft": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a draft source name or null"),
     "device": (lambda v: isinstance(v, str) and bool(v), "a device string such as cuda:0"),
     "dtype": (lambda v: v in ("float32", "float16", "bfloat16"), "one of float32, float16, bfloat16"),
     "seed": (_is_int, "an integer"),
-    "block_size": (lambda v: _is_int(v) and v >= 1, "a positive integer (tokens)"),
-    "sink_blocks": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
-    "gather_copies": (lambda v: _is_int(v) and v >= 1 and not v & (v - 1),
-                      "a power of two (copies each CTA of the decode prefetch's UVA gather has in flight)"),
-    "link_gbps": (lambda v: _is_num(v) and v >= 0,
-                  "a number >= 0 (GB/s the prefetch may use per decode step; 0: the fixed fetch cap)"),
-    "pipeline_priority": (lambda v: _is_int(v) and v <= 0,
-                          "a non-positive integer (CUDA priority of the decode prefetch's streams; lower is higher)"),
-    "dense_layers": (lambda v: _is_int(v) and v >= 0, "a non-negative integer (the first N layers attend densely)"),
-    "measure_recall": (lambda v: isinstance(v, bool), "true or false"),
-    "max_num_batched_tokens": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "random_weights": (lambda v: isinstance(v, bool), "true or false"),
-    "cuda_graphs": (lambda v: v in ("auto", "off", "static"), "auto, off or static (decode steps from CUDA graphs)"),
+    **{name: _engine_spec(name) for name in ENGINE_KEYS},
 }
 
 #: Keys a throughput point must end up with (``mode`` may come from ``modes``).

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 GATHER_CTAS = 32
 """Default grid of the UVA gather kernel: 32 CTAs keep enough PCIe reads in flight for the link (two 4 KiB tiles
-each) while leaving the other SMs to the step's kernels (bench/NOTES.md, "Gather grid")."""
+each) while leaving the other SMs to the step's kernels (docs/benchmarks.md, "Gather, link and interference")."""
 GATHER_COPIES = 1
 """Default copies each of the gather's CTAs has in flight. With 32 CTAs, 4 were 8-10% slower than 1 in decode
-steps with every plan entry used (bench/NOTES.md, "The gather in one launch"); 16 CTAs x 4 matched 32 x 1."""
+steps with every plan entry used (docs/benchmarks.md, "Gather, link and interference"); 16 CTAs x 4 matched 32 x 1."""
 GATHER_HINTS = {
     "": ("", "", ""),
     "cg": (".cg", "", ""),  # loads cached in L2 only, not L1
@@ -31,7 +31,7 @@ GATHER_HINTS = {
 """Cache hints of the Triton UVA gather's host loads and device stores, by name: (load cache modifier, load
 eviction policy, store cache modifier). "" leaves both to the hardware's defaults; the others exist to measure
 whether the host reads' path through L1 / L2 is what slows the HBM-bound kernels beside the gather
-(``bench/bench_kernels.py --only interference``; none changed it on an H200, bench/NOTES.md)."""
+(``bench/bench_kernels.py --only interference``; none changed it on an H200: docs/benchmarks.md, "Interference")."""
 
 
 class Mode(str, Enum):
@@ -263,7 +263,7 @@ class SparseConfig:
     link_gbps: float = _opt(
         0.0, "GB/s the prefetch may use: each decode step's cap becomes what that rate moves in one measured step, "
         "never below the fetch_ratio cap (0: the fixed cap; set it below the rate the gather reaches).",
-        ">= 0 (0: the fixed fetch cap)", lambda v: _num(v) and v >= 0)
+        "a number >= 0 (0: the fixed fetch cap)", lambda v: _num(v) and v >= 0)
     fetch_on_demand_cap: bool = _opt(
         False, "fetch-on-demand: apply the fetch cap too (default: fetch every missing block, as retrieval does).",
         "true or false", lambda v: isinstance(v, bool))
@@ -303,7 +303,7 @@ class KernelConfig:
     gather_hint: str = _opt("", "Cache hints of that gather's loads and stores: '' (hardware defaults), cg, cv, "
                             "stream.", f"one of {sorted(GATHER_HINTS)}", lambda v: v in GATHER_HINTS)
     pipeline_priority: int = _opt(0, "CUDA priority of the prefetch pipeline's three streams (lower is higher).",
-                                  "<= 0 (lower is higher)", lambda v: _int(v) and v <= 0)
+                                  "a non-positive integer (lower is higher)", lambda v: _int(v) and v <= 0)
 
     def __post_init__(self) -> None:
         _validate(self)

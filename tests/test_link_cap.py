@@ -122,7 +122,7 @@ def test_engine_cap_follows_the_link(tiny):
 def test_link_gbps_must_not_be_negative():
     from oasiskv_runtime.config import SparseConfig
 
-    with pytest.raises(ValueError, match="link_gbps must be >= 0"):
+    with pytest.raises(ValueError, match="link_gbps must be a number >= 0"):
         SparseConfig(link_gbps=-1.0)
 
 

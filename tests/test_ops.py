@@ -625,7 +625,7 @@ def test_gather_copies_must_be_a_power_of_two(copies):
 def test_pipeline_priority_must_not_be_positive():
     from oasiskv_runtime.config import KernelConfig
 
-    with pytest.raises(ValueError, match="pipeline_priority must be <= 0"):
+    with pytest.raises(ValueError, match="pipeline_priority must be a non-positive integer"):
         KernelConfig(pipeline_priority=1)
     assert KernelConfig(pipeline_priority=-3).pipeline_priority == -3
 

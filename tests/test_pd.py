@@ -36,12 +36,12 @@ class InProcessPD:
     """Both workers on threads of this process (shared weights), and a client channel to each."""
 
     def __init__(self, model: str, mode: str, transfer: str, prefix_cache: bool = False, **kw) -> None:
-        cfg = EngineConfig.from_overrides(model, mode=mode, **kw)
-        self.decode = DecodeWorker(cfg, "tcp")
+        cfg = EngineConfig.from_overrides(model, mode=mode, transfer=transfer, transport="tcp",
+                                          prefix_cache=prefix_cache, **kw)
+        self.decode = DecodeWorker(cfg)
         e = self.decode.engine
-        self.prefill = PrefillWorker(prefill_config(cfg), self.decode.address, transfer, "tcp",
-                                     preloaded=(e.model, e.tokenizer, e.model_config), send_state=cfg.mode.is_sparse,
-                                     prefix_cache=prefix_cache)
+        self.prefill = PrefillWorker(prefill_config(cfg), self.decode.address,
+                                     preloaded=(e.model, e.tokenizer, e.model_config), send_state=cfg.mode.is_sparse)
         self.threads = [threading.Thread(target=w.serve, daemon=True) for w in (self.decode, self.prefill)]
         for t in self.threads:
             t.start()
@@ -201,7 +201,7 @@ def test_separate_processes_over_nixl_equal_single_engine(tiny, tmp_path):
     llm = LLM(tiny, mode="oasiskv", **SMALL)
     single = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     res = {}
-    with PDCluster(cfg, "rpf", "nixl", log_dir=tmp_path) as c:
+    with PDCluster(cfg, log_dir=tmp_path) as c:  # rpf over NIXL: the PD section's defaults
         for i, p in enumerate(PROMPTS):  # one at a time: see InProcessPD.run
             c.submit(f"r{i}", p, GREEDY)
             res.update(c.collect([f"r{i}"], 120))
@@ -225,7 +225,7 @@ def test_prefill_killed_mid_decode(tiny, tmp_path):
     cfg = EngineConfig.from_overrides(tiny, mode="oasiskv", **SMALL)
     long_out = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     short = [3, 4, 5, 6, 7, 8, 9, 10]  # all of its KV is on the decode side after admission
-    with PDCluster(cfg, "rpf", "nixl", log_dir=tmp_path, read_timeout_s=3.0) as c:
+    with PDCluster(cfg, log_dir=tmp_path, read_timeout_s=3.0) as c:
         c.submit("long", PROMPTS[2], long_out)
         c.submit("short", short, long_out)
         assert c.wait_admitted(["long", "short"], 60)
@@ -252,7 +252,7 @@ from oasiskv_runtime.sampling_params import SamplingParams
 a = json.loads(sys.argv[1])
 cfg = EngineConfig.from_overrides(a["model"], mode="oasiskv", **a["small"])
 params = SamplingParams(**a["params"])
-with PDCluster(cfg, "rpf", "nixl", log_dir=a["log_dir"], roles=a["roles"]) as c:
+with PDCluster(cfg, log_dir=a["log_dir"], roles=a["roles"]) as c:
     res = {}
     for i, p in enumerate(a["prompts"]):
         c.submit(f"r{i}", p, params)
@@ -397,8 +397,8 @@ def test_worker_roles_started_apart_and_a_client_attached(tiny, tmp_path):
     try:
         decode = start("--role", "decode")
         prefill = start("--role", "prefill", "--peer", decode)
-        cfg = EngineConfig.from_overrides(tiny, mode="oasiskv", top_k_blocks=3, block_size=4)
-        with PDCluster(cfg, "rpf", "tcp", attach=(prefill, decode)) as c:
+        cfg = EngineConfig.from_overrides(tiny, mode="oasiskv", top_k_blocks=3, block_size=4, transport="tcp")
+        with PDCluster(cfg, attach=(prefill, decode)) as c:
             time.sleep(0.2)
             c.submit("a", PROMPTS[2], GREEDY)
             got = c.collect(["a"], 120)["a"]

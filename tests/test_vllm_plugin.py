@@ -124,8 +124,9 @@ def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
     from oasiskv_runtime.vllm.backend import OasisKVImplMixin, kv_views
 
     class Impl(OasisKVImplMixin):
-        def __init__(self, kernels):  # the mixin's own __init__ reads vLLM's config: set what it would
-            self.oasiskv = VllmOptions(top_k_blocks=top_k, kernels=kernels)
+        def __init__(self, backend):  # the mixin's own __init__ reads vLLM's config: set what it would
+            self.oasiskv = VllmOptions(top_k_blocks=top_k, backend=backend)
+            self._predictor = None
             self.num_heads, self.num_kv_heads, self.head_size, self.scale = hq, hkv, d, d ** -0.5
             self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
             self.kv_layout = "packed"
@@ -153,9 +154,13 @@ def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
     q = torch.randn(n, hq, d, device=dev, dtype=dtype)
     k, v = torch.randn(n, hkv, d, device=dev, dtype=dtype), torch.randn(n, hkv, d, device=dev, dtype=dtype)
     outs = {}
-    for kernels in ("auto", "ref"):
-        outs[kernels] = torch.zeros_like(q)
-        Impl(kernels)._sparse_decode(plan.batch, q, k, v, k_cache, v_cache, *summaries["ref"], outs[kernels])
+    for backend in ("auto", "ref"):
+        outs[backend] = torch.zeros_like(q)
+        impl = Impl(backend)
+        predictor = impl._layer_predictor(k_cache)
+        predictor.summaries.mins[0].copy_(summaries["ref"][0])
+        predictor.summaries.maxs[0].copy_(summaries["ref"][1])
+        impl._sparse_decode(plan.batch, q, k, v, k_cache, v_cache, predictor, outs[backend])
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(outs["auto"].float(), outs["ref"].float(), rtol=tol, atol=tol)
 
@@ -163,7 +168,7 @@ def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
 def test_options_and_version_errors():
     assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
     for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
-                dict(fetch_ratio=0.0), dict(kernels="cuda")):
+                dict(fetch_ratio=0.0), dict(backend="cuda")):
         with pytest.raises(ValueError):
             VllmOptions(**bad)
     with pytest.raises(ValueError, match="unknown OasisKV option"):
@@ -330,7 +335,7 @@ class _Step:
 
 def _attend(q_row, keys, values, allowed):
     """Attention of one row ``[Hq, D]`` over ``keys``/``values`` ``[n, Hkv, D]`` where ``allowed`` ``[n, Hkv]``."""
-    from oasiskv_runtime.attention.ref import attend_ref
+    from oasiskv_runtime.ops.attend import attend_ref
 
     g = HQ // HKV
     return torch.cat([attend_ref(q_row[None, h * g:(h + 1) * g], keys[allowed[:, h], h:h + 1],
@@ -385,7 +390,7 @@ def test_builder_and_impl_prefill_then_decode_with_drafts(tiny_dir, top_k):
         meta, out = step.run(kv_cache, table, query_lens, seq, q, k, v)
         assert meta.plan.num_decodes == sum(n <= 2 for n in query_lens)
         kc, _ = kv_views(kv_cache, "cpu", D)
-        smin, smax = step.impl._summaries
+        smin, smax = step.impl._predictor.summaries.read(0)
         row = 0
         for r, (n, s) in enumerate(zip(query_lens, seq)):
             for j in range(math.ceil(s / BS)):  # every block the request holds has its exact summary

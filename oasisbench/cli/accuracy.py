@@ -16,8 +16,9 @@ from rich.markdown import Markdown
 from rich.markup import escape
 from rich.table import Table
 
-from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
-                                    LinkGbpsOpt, ModelOpt, SeedOpt, default_device, default_dtype)
+from oasisbench.cli.options import (DEFAULT_MODEL_NAME, TOP_K_NOTE, DenseLayersOpt, DeviceOpt, DraftOpt, DtypeOpt,
+                                    FetchRatioOpt, KvGbOpt, LinkGbpsOpt, MaxSeqsOpt, ModelOpt, SeedOpt, SinkBlocksOpt,
+                                    default_device, default_dtype, engine_default, engine_option)
 from oasisbench.cli.defaults import default_top_k_blocks, top_k_note
 from oasisbench.cli.report import fail
 from oasisbench.cli.throughput import positive_gb
@@ -107,18 +108,13 @@ def accuracy_cmd(
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
     kv_cache_gb: KvGbOpt = None,
-    top_k_blocks: Annotated[int | None, typer.Option(
-        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: the paper's 128, or a "
-        "quarter of the shortest --context-len's blocks where 129 blocks would hold it whole (NIAH at 1K tokens: "
-        "16), as oasisbench throughput does.", show_default=False)] = None,
-    fetch_ratio: FetchRatioOpt = 0.05,
-    link_gbps: LinkGbpsOpt = 0.0,
-    sink_blocks: Annotated[int, typer.Option("--sink-blocks", help="Leading blocks every sparse mode always "
-                                             "attends (attention sinks), counted in --top-k-blocks.")] = 0,
-    dense_layers: Annotated[int, typer.Option("--dense-layers", help="The first N layers attend over the whole "
-                                              "context in every sparse mode (Quest's default: 2; the paper's: 0).")] = 0,
-    draft: DraftOpt = "auto",
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 256,
+    top_k_blocks: Annotated[int | None, engine_option("top_k_blocks", note=TOP_K_NOTE)] = None,
+    fetch_ratio: FetchRatioOpt = engine_default("fetch_ratio"),
+    link_gbps: LinkGbpsOpt = engine_default("link_gbps"),
+    sink_blocks: SinkBlocksOpt = engine_default("sink_blocks"),
+    dense_layers: DenseLayersOpt = engine_default("dense_layers"),
+    draft: DraftOpt = engine_default("draft"),
+    max_num_seqs: MaxSeqsOpt = engine_default("max_num_seqs"),
     max_gen_toks: Annotated[int | None, typer.Option("--max-gen-toks", help="Override every task's generation "
                                                      "budget (smoke runs).")] = None,
     sweep: Annotated[str | None, typer.Option("--sweep", help="top_k_blocks=64,128,192 or "

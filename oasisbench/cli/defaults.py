@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 
-PAPER_TOP_K_BLOCKS = 128
-"""The paper's K (SPEC item 7): 128 blocks of 16 tokens per KV head, plus the local block."""
+from oasiskv_runtime.config import EngineConfig
+
+PAPER_TOP_K_BLOCKS = EngineConfig.options()["top_k_blocks"].default
+"""The engine's K, the paper's (SPEC item 7): 128 blocks of 16 tokens per KV head, plus the local block."""
 
 
 def _blocks(tokens: int, block_size: int) -> int:

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
-                                    ModelOpt, ModeOpt, SeedOpt, TopKOpt, default_device, default_dtype)
+                                    ModelOpt, ModeOpt, SeedOpt, TopKOpt, default_device, default_dtype, engine_default)
 from oasisbench.cli.report import fail
 
 
@@ -24,8 +24,8 @@ def generate_cmd(
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
     kv_cache_gb: KvGbOpt = None,
-    top_k_blocks: TopKOpt = 128,
-    fetch_ratio: FetchRatioOpt = 0.05,
+    top_k_blocks: TopKOpt = engine_default("top_k_blocks"),
+    fetch_ratio: FetchRatioOpt = engine_default("fetch_ratio"),
     draft: DraftOpt = "auto",
     seed: SeedOpt = 0,
 ) -> None:

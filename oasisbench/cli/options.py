@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.models.assets import DEFAULT_MODEL
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Packaged model name, random-weight preset "
@@ -20,18 +21,42 @@ KvGbOpt = Annotated[float | None, typer.Option("--kv-cache-gb", help="Device KV 
 HostGbOpt = Annotated[float | None, typer.Option(
     "--host-kv-gb", min=0.0, help="Host KV pool of the offloading modes in GiB (pinned on CUDA, as one region "
     "of exactly this size). Default: 64, or half the free RAM where that is less; 8 on CPU.", show_default=False)]
-TopKOpt = Annotated[int, typer.Option("--top-k-blocks", help="Working-set blocks per KV head (+1 local).")]
-FetchRatioOpt = Annotated[float, typer.Option("--fetch-ratio", help="Per-step admission cap as a fraction of "
-                                              "top-k-blocks.")]
-LinkGbpsOpt = Annotated[float, typer.Option(
-    "--link-gbps", min=0.0, help="Prefetch modes: size each decode step's fetch cap by the link, the paper's "
-    "C_token = B_link x T_decode: the copies this many GB/s move in one step (measured, by kind), shared by its "
-    "requests, never below the --fetch-ratio cap. 0: the fixed cap. Set it below the rate the prefetch reaches "
-    "(an H200: ~43 GB/s).")]
-DraftOpt = Annotated[str, typer.Option("--draft", help="Draft source for oasiskv: auto (the model's shipped "
-                                       "EAGLE-3 head behind the n-gram draft, ngram+eagle3:<head>, where one ships: "
-                                       "smollm2-135m; else ngram), ngram[:N], layerskip[:N], model:<path>, "
-                                       "eagle3:<path>, oracle, ngram[:N]+<draft>.")]
+ENGINE_OPTIONS = EngineConfig.options()
+"""Every engine option's default, valid values and meaning, declared once in ``oasiskv_runtime.config``."""
+
+
+def engine_option(name: str, *, flag: str = "", note: str = "") -> typer.Option:
+    """A CLI flag for engine option ``name``: the config's one-line doc as help (plus ``note``: what this command
+    does differently), its check as the flag's validation (a bad value exits 2 naming the flag)."""
+    spec = ENGINE_OPTIONS[name]
+
+    def check(value):
+        if value is not None:
+            try:
+                spec.validate(value)
+            except ValueError as e:
+                raise typer.BadParameter(str(e)) from None
+        return value
+
+    return typer.Option(flag or "--" + name.replace("_", "-"), help=" ".join(x for x in (spec.doc, note) if x),
+                        callback=check)
+
+
+def engine_default(name: str):
+    """The engine's default of option ``name`` (a flag that keeps it writes this, not a copy of its own)."""
+    return ENGINE_OPTIONS[name].default
+
+
+TOP_K_NOTE = ("Default: the engine's, or a quarter of the shortest context's blocks where K + 1 blocks would hold it "
+              "whole (1K tokens: 16), so sparse modes stay sparse.")
+TopKOpt = Annotated[int, engine_option("top_k_blocks")]
+FetchRatioOpt = Annotated[float, engine_option("fetch_ratio")]
+LinkGbpsOpt = Annotated[float, engine_option("link_gbps")]
+DraftOpt = Annotated[str, engine_option("draft")]
+SinkBlocksOpt = Annotated[int, engine_option("sink_blocks")]
+DenseLayersOpt = Annotated[int, engine_option("dense_layers")]
+BlockSizeOpt = Annotated[int, engine_option("block_size")]
+MaxSeqsOpt = Annotated[int, engine_option("max_num_seqs")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Engine and workload seed.")]
 
 DEFAULT_MODEL_NAME = DEFAULT_MODEL

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
-                                    ModelOpt, SeedOpt, default_device, default_dtype)
+from oasisbench.cli.options import (DEFAULT_MODEL_NAME, BlockSizeOpt, DeviceOpt, DtypeOpt, FetchRatioOpt, KvGbOpt,
+                                    ModelOpt, SeedOpt, default_device, default_dtype, engine_default, engine_option)
 from oasisbench.cli.report import fail
 from oasisbench.cli.throughput import OutputDirOpt, ResumeOpt, _ints, _modes, _split, open_store, positive_gb
 
@@ -31,10 +31,12 @@ def pd_cmd(
     context_len: Annotated[str, typer.Option("--context-len", help="Prompt + output tokens, comma list.")] = "2048",
     output_len: Annotated[int, typer.Option("--output-len", help="Tokens generated per request.")] = 32,
     num_requests: Annotated[int, typer.Option("--num-requests", help="Requests per point, all sent at t0.")] = 4,
-    top_k_blocks: Annotated[int, typer.Option("--top-k-blocks", help="Working-set blocks per KV head.")] = 16,
-    fetch_ratio: FetchRatioOpt = 0.05,
-    draft: DraftOpt = "ngram",
-    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    top_k_blocks: Annotated[int, engine_option("top_k_blocks", note="Here 16 by default: the CPU runs 2-8K "
+                                               "contexts.")] = 16,
+    fetch_ratio: FetchRatioOpt = engine_default("fetch_ratio"),
+    draft: Annotated[str, engine_option("draft", note="Here ngram by default: prefill-decode hands over drafts "
+                                        "whose state is tokens only (ngram, oracle).")] = "ngram",
+    block_size: BlockSizeOpt = engine_default("block_size"),
     kv_cache_gb: KvGbOpt = None,
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
@@ -60,7 +62,7 @@ def pd_cmd(
 ) -> None:
     """Prefill and decode as separate processes: RPF vs full-KV transfer, bytes at admission, during
     decode, decode-host memory, network bandwidth, throughput."""
-    from oasiskv_runtime.pd.workers import TRANSFERS
+    from oasiskv_runtime.config import PD_TRANSFERS as TRANSFERS
 
     dev = default_device(device)
     dt = default_dtype(dtype, dev)
@@ -103,7 +105,8 @@ def pd_cmd(
         resolve(model)
         for p in points:
             check_pd_config(EngineConfig.from_overrides(model, device=dev, dtype=dt, mode=p.mode, draft=draft,
-                                                        top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio))
+                                                        top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio,
+                                                        transfer=p.transfer))
     except (ValueError, FileNotFoundError, TypeError) as e:
         raise fail(str(e)) from None
     console = Console()
@@ -137,14 +140,14 @@ def _run_worker(role, model, modes, transfers, dev, dt, seed, top_k, ratio, draf
         raise fail("a worker role takes one --modes value and one --transfer value")
     try:
         cfg = EngineConfig.from_overrides(model, device=dev, dtype=dt, mode=modes[0], seed=seed, top_k_blocks=top_k,
-                                          fetch_ratio=ratio, draft=draft, block_size=block_size, kv_cache_gb=kv_gb)
+                                          fetch_ratio=ratio, draft=draft, block_size=block_size, kv_cache_gb=kv_gb,
+                                          transfer=transfers[0], transport=transport, prefix_cache=prefix_cache)
         if role == "decode":
-            w = DecodeWorker(cfg, transport, host, port)
+            w = DecodeWorker(cfg, host, port)
         else:
             if not peer:
                 raise fail("--role prefill needs --peer HOST:PORT of the decode worker")
-            w = PrefillWorker(prefill_config(cfg), peer, transfers[0], transport, host, port,
-                              send_state=cfg.mode.is_sparse, prefix_cache=prefix_cache)
+            w = PrefillWorker(prefill_config(cfg), peer, host, port, send_state=cfg.mode.is_sparse)
     except (ValueError, ConnectionError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     typer.echo(f"{role} worker listening on {w.address}", err=True)

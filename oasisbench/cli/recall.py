@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from oasisbench.cli.options import DEFAULT_MODEL_NAME, DeviceOpt, DtypeOpt, ModelOpt, default_device, default_dtype
+from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DtypeOpt, FetchRatioOpt, ModelOpt, default_device,
+                                    default_dtype, engine_default, engine_option)
 from oasisbench.cli.report import fail
 
 
@@ -20,14 +21,14 @@ def recall_cmd(
     context_len: Annotated[str, typer.Option("--context-len", help="Comma list of context lengths.")] = "2048",
     drafts: Annotated[str, typer.Option("--drafts", help="Comma list of oasiskv drafts to compare with "
                                         "proxy-prefetch.")] = "ngram,layerskip,oracle",
-    top_k_blocks: Annotated[int | None, typer.Option("--top-k-blocks", help="Budget; default 1/8 of the "
-                                                     "context's blocks.")] = None,
+    top_k_blocks: Annotated[int | None, engine_option("top_k_blocks", note="Here 1/8 of the context's blocks by "
+                                                      "default.")] = None,
     num_texts: Annotated[int, typer.Option("--num-texts", help="Essay windows (requests).")] = 2,
     num_steps: Annotated[int, typer.Option("--num-steps", help="Teacher-forced decode steps per text.")] = 32,
     continuation: Annotated[str, typer.Option("--continuation", help="Comma list of forced continuations: "
                                               "'self' (the model's own greedy tokens, as in serving) and/or "
                                               "'text' (the essay's next tokens).")] = "self",
-    fetch_ratio: Annotated[float, typer.Option("--fetch-ratio")] = 0.05,
+    fetch_ratio: FetchRatioOpt = engine_default("fetch_ratio"),
     proxy: Annotated[bool, typer.Option("--proxy/--no-proxy", help="Include the proxy-prefetch "
                                         "baseline.")] = True,
     device: DeviceOpt = "",

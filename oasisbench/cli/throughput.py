@@ -20,8 +20,9 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
 from oasisbench.cli.defaults import default_top_k_blocks, demo_kv_budget, top_k_note
-from oasisbench.cli.options import (DEFAULT_MODEL_NAME, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt, HostGbOpt,
-                                    KvGbOpt, LinkGbpsOpt, ModelOpt, SeedOpt, default_device, default_dtype)
+from oasisbench.cli.options import (DEFAULT_MODEL_NAME, TOP_K_NOTE, DeviceOpt, DraftOpt, DtypeOpt, FetchRatioOpt,
+                                    HostGbOpt, KvGbOpt, LinkGbpsOpt, ModelOpt, SeedOpt, default_device, default_dtype,
+                                    engine_default, engine_option)
 from oasisbench.cli.report import fail
 from oasisbench.results.plots import plots_available, write_plots
 from oasisbench.results.report import render_report
@@ -218,13 +219,10 @@ def throughput_cmd(
     device_tier: Annotated[bool, typer.Option(
         "--device-tier/--no-device-tier", help="Host-pool modes: once the host pool is full, keep further "
         "requests' full KV in the device KV budget (--kv-cache-gb) that their working sets leave free.")] = False,
-    top_k_blocks: Annotated[int | None, typer.Option(
-        "--top-k-blocks", min=1, help="Working-set blocks per KV head (+1 local). Default: the paper's 128, or a "
-        "quarter of the shortest context's blocks where 129 blocks would hold it whole (1K tokens: 16), since "
-        "every sparse mode would then attend to everything.", show_default=False)] = None,
-    fetch_ratio: FetchRatioOpt = 0.05,
-    link_gbps: LinkGbpsOpt = 0.0,
-    draft: DraftOpt = "auto",
+    top_k_blocks: Annotated[int | None, engine_option("top_k_blocks", note=TOP_K_NOTE)] = None,
+    fetch_ratio: FetchRatioOpt = engine_default("fetch_ratio"),
+    link_gbps: LinkGbpsOpt = engine_default("link_gbps"),
+    draft: DraftOpt = engine_default("draft"),
     device: DeviceOpt = "",
     dtype: DtypeOpt = "",
     seed: SeedOpt = 0,

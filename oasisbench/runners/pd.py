@@ -115,7 +115,8 @@ def run_point(p: PDPoint, log_dir: Path, timeout_s: float) -> dict[str, Any]:
 
     overrides: dict[str, Any] = dict(top_k_blocks=p.top_k_blocks, fetch_ratio=p.fetch_ratio, draft=p.draft,
                                      block_size=p.block_size, kv_cache_gb=p.kv_cache_gb,
-                                     max_num_seqs=max(1, p.num_requests))
+                                     max_num_seqs=max(1, p.num_requests), transfer=p.transfer, transport=p.transport,
+                                     prefix_cache=p.prefix_cache)
     cfg = EngineConfig.from_overrides(p.model, device=p.device, dtype=p.dtype, mode=p.mode, seed=p.seed, **overrides)
     prompts = workload(p)
     if p.shared_prefix:
@@ -124,7 +125,7 @@ def run_point(p: PDPoint, log_dir: Path, timeout_s: float) -> dict[str, Any]:
         prompts = [prompts[0][:p.shared_prefix] + q[p.shared_prefix:] for q in prompts]
     params = SamplingParams(max_tokens=p.output_len, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(p.num_requests)]
-    with PDCluster(cfg, p.transfer, p.transport, log_dir=log_dir, prefix_cache=p.prefix_cache) as cluster:
+    with PDCluster(cfg, log_dir=log_dir) as cluster:
         t0 = time.time()
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
             cluster.submit(rid, prompt, params)

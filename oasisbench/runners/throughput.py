@@ -40,37 +40,29 @@ from rich.table import Table
 
 from oasisbench.results.schema import CONFIG_FILE, Record, normalize_value, order_modes, point_id
 from oasisbench.results.store import RunStore, to_jsonable
+from oasisbench.suites import ENGINE_KEYS as SUITE_ENGINE_KEYS
+from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.drafts import resolve_draft
 
-#: Values a point gets for keys it does not set. ``top_k_blocks``, ``fetch_ratio``, ``block_size``:
-#: SPEC item 7 defaults. ``num_requests`` None means "= concurrency" (one full batch).
+#: Values a point gets for keys it does not set: the engine's defaults for the options every point id names (SPEC
+#: item 7's K, fetch ratio and block size...), None for the rest (the engine's default, left out of the id).
+#: ``num_requests`` None means "= concurrency" (one full batch).
+_NAMED = ("top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks", "dense_layers", "measure_recall",
+          "max_num_batched_tokens")
 POINT_DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m",
     "output_len": 32,
     "num_requests": None,
     "kv_cache_gb": None,
     "host_kv_gb": None,
-    "device_tier": None,
-    "top_k_blocks": 128,
-    "fetch_ratio": 0.05,
-    "draft": "auto",
     "device": "",
     "dtype": "",
     "seed": 0,
-    "block_size": 16,
-    "sink_blocks": 0,
-    "gather_copies": None,
-    "pipeline_priority": None,
-    "link_gbps": None,
-    "dense_layers": 0,
-    "measure_recall": False,
-    "max_num_batched_tokens": 2048,
-    "cuda_graphs": None,
+    **{k: None for k in SUITE_ENGINE_KEYS},
+    **{k: EngineConfig.options()[k].default for k in _NAMED},
 }
 #: Point keys that go to the engine as overrides (plus ``max_num_seqs = concurrency``).
-ENGINE_KEYS = ("kv_cache_gb", "top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks",
-               "dense_layers", "measure_recall", "max_num_batched_tokens", "cuda_graphs", "device_tier",
-               "gather_copies", "pipeline_priority", "link_gbps")
+ENGINE_KEYS = ("kv_cache_gb",) + SUITE_ENGINE_KEYS
 #: run_stats() counters copied into every record (extra backend counters are copied too).
 RUN_STAT_KEYS = ("max_running_batch", "mean_running_batch", "num_preemptions", "fetched_blocks_per_step",
                  "fetched_bytes_per_step", "deferred_blocks_per_step", "prediction_recall", "draft_accuracy",
@@ -124,7 +116,6 @@ def plan_points(points: list[dict[str, Any]]) -> list[PlannedPoint]:
     Raises:
         ValueError: a point is invalid (the message names it), or a model cannot be found.
     """
-    from oasiskv_runtime.config import EngineConfig
     from oasiskv_runtime.models.loader import resolve
 
     planned: list[PlannedPoint] = []

@@ -15,7 +15,7 @@ blocks a step prefetches for the next are copied while the rest of the step runs
 prefill chunk takes many times longer. The shortest, not a mean: a step that captured a CUDA graph (each new cap
 value is a new graph key, captured on its second step) or waited on the host takes many times longer than a
 replay, and on the H200 a moving average of such steps raised the cap, which made new keys and more captures
-(bench/NOTES.md: caps of 6-100 and steps of 55-685 ms where the fixed cap's took 11-46 ms). A cap also grows by
+(docs/benchmarks.md, "Link-sized fetch cap": caps of 6-100 and steps of 55-685 ms where the fixed cap's took 11-46 ms). A cap also grows by
 at most a factor of two per step of its kind, so a long first interval cannot jump it to the working set. The
 cap is rounded down to a power of two so that a CUDA graph, which bakes the cap in, is captured for a handful of
 values rather than one per step. Small batches and small models get caps up to the whole working set (fewer

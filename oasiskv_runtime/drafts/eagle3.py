@@ -145,7 +145,7 @@ class Eagle3Config:
         num_target_layers: target depth, only needed to compute the default taps.
         sliding_window: each row attends to at most this many cached positions, itself included
             (``None``: all). ``train-draft`` writes its training crop length here: a head scores worse
-            at distances it never attended over in training (bench/NOTES.md, 2026-12-02). Read from
+            at distances it never attended over in training (docs/benchmarks.md, "Draft and recall"). Read from
             config.json only with ``use_sliding_window: true`` (HF's Qwen2 convention): configs derived
             from other models may carry a ``sliding_window`` that EAGLE-3 implementations ignore.
         extra: unknown config keys, kept so ``save_pretrained`` round-trips them.

@@ -5,8 +5,8 @@ draws its token by the Gumbel-max trick, ``argmax(logit / T + Gumbel noise)`` ov
 logits, which is a draw from their softmax. The noise comes from a counter-based hash of (row seed, vocabulary
 index), so a seeded request's i-th token depends only on (seed, i) and its logits: not on batching,
 preemption, or which device samples it. The first version drew each sampled row with ``torch.multinomial`` on
-the host after a device copy of its probabilities: ~1.5 ms per sampled row and step, 0.4 s per step at 256
-sampled rows on the H200 (bench/NOTES.md).
+the host after a device copy of its probabilities: ~0.45 s per decode step at batch 512 with half the rows
+sampled, on the H200 (docs/benchmarks.md, "Host-side costs").
 """
 
 from __future__ import annotations

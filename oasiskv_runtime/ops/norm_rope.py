@@ -3,7 +3,7 @@
 In plain PyTorch an RMSNorm is ~7 kernels (cast, square, mean, add, rsqrt, multiply, cast, scale) and rotary ~6
 per tensor (negate, concatenate, three multiplies, add). A Qwen3 decoder layer runs four norms and two rotaries:
 ~40 of the ~75 main-stream kernels a decode step launches per layer, each a few microseconds of work, so a
-replayed step spends much of its time between them (bench/NOTES.md, "What a graph replay leaves idle").
+replayed step spends much of its time between them (docs/benchmarks.md, "CUDA graphs").
 
 Both kernels ask for the reference's roundings (casts after each product). On the H200 the norm gave the
 reference's results (a rare last bit where the float32 sum of squares is added in another order); 24-27% of the

@@ -306,7 +306,7 @@ def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,
     ``dot_prec`` (``None``: by dtype): the precision of the two ``tl.dot`` per tile for float32
     inputs. ``"ieee"`` runs them as plain fp32 FMAs over the padded 16-row tile, and at float32
     that was 86% of a SmolLM2 generation step on the H200 (4.7 ms per layer at 1,014 requests,
-    bench/NOTES.md, 2026-12-02), ~17x its K/V read. The default ``"tf32x3"`` splits each fp32
+    docs/benchmarks.md, "Kernels"), ~17x its K/V read. The default ``"tf32x3"`` splits each fp32
     operand into a TF32 high and low part and sums three tensor-core products, which keeps
     about fp32 accuracy. bf16/fp16 inputs use the tensor cores natively (the setting is moot).
     """

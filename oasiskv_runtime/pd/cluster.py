@@ -19,7 +19,7 @@ from typing import Any
 
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.pd import protocol
-from oasiskv_runtime.pd.workers import TRANSFERS, check_pd_config
+from oasiskv_runtime.pd.workers import check_pd_config
 from oasiskv_runtime.sampling_params import SamplingParams
 
 
@@ -86,26 +86,19 @@ class WorkerProcess:
 class PDCluster:
     """One decode worker and one prefill worker (``start_prefill`` again after a prefill crash)."""
 
-    def __init__(self, config: EngineConfig, transfer: str = "rpf", transport: str = "nixl", log_dir: Path | None = None,
-                 threads: int = 1, read_timeout_s: float = 10.0, start_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, roles: dict[str, dict[str, Any]] | None = None,
-                 prefix_cache: bool = False, attach: tuple[str, str] | None = None) -> None:
-        """``roles``: per role ("prefill", "decode") ``host`` to listen on, a command ``prefix`` (e.g.
+    def __init__(self, config: EngineConfig, log_dir: Path | None = None, threads: int = 1, read_timeout_s: float = 10.0,
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 roles: dict[str, dict[str, Any]] | None = None, attach: tuple[str, str] | None = None) -> None:
+        """What crosses, how, and whether the prefill side keeps a prefix cache: ``config.pd``. ``roles``: per role ("prefill", "decode") ``host`` to listen on, a command ``prefix`` (e.g.
         ``["ip", "netns", "exec", "ns0"]``) and extra ``env``: the two-namespace test runs them apart.
         ``attach``: (prefill HOST:PORT, decode HOST:PORT) of workers already running (``oasisbench pd --role``
         on two hosts): nothing is started, this object is only their client."""
         check_pd_config(config)
-        if transfer not in TRANSFERS:
-            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
-        if transfer == "rpf" and not config.mode.uses_host_pool:
-            raise ValueError(f"remote partial fetching needs a sparse host-pool decode mode, not {config.mode.value}: "
-                             f"use --transfer full for dense decode")
-        self.config, self.transfer, self.transport = config, transfer, transport
+        self.config, self.transfer, self.transport = config, config.pd.transfer, config.pd.transport
         self.log_dir = Path(log_dir) if log_dir else Path(os.environ.get("TMPDIR", "/tmp")) / f"oasiskv-pd-{os.getpid()}"
-        self.common = ["--transport", transport, "--threads", str(threads), "--timeout", str(read_timeout_s)]
+        self.common = ["--threads", str(threads), "--timeout", str(read_timeout_s)]
         self.env = env or {}
         self.roles = roles or {}
-        self.prefix_cache = prefix_cache
         self.start_timeout_s = start_timeout_s
         self.inbox: queue.Queue = queue.Queue()
         self._stats: dict[str, dict[str, Any]] = {}
@@ -126,8 +119,7 @@ class PDCluster:
         self.admitted: dict[str, float] = {}
 
     def start_prefill(self) -> None:
-        self.prefill = self._spawn("prefill", ["--peer", self.decode.address, "--transfer", self.transfer]
-                                   + (["--prefix-cache"] if self.prefix_cache else []))
+        self.prefill = self._spawn("prefill", ["--peer", self.decode.address])
         self.prefill_ch = protocol.connect(self.prefill.address, name="prefill")
         protocol.start_reader(self.prefill_ch, self.inbox)
 

@@ -50,6 +50,9 @@ def check_pd_config(config: EngineConfig) -> None:
                          f"prefill-decode supports the token-state drafts {', '.join(TOKEN_STATE_DRAFTS)}")
     if config.sparse.dense_layers and mode.is_sparse:
         raise ValueError("dense_layers read every block of the context: not supported with prefill-decode")
+    if config.pd.transfer == "rpf" and not mode.uses_host_pool:
+        raise ValueError(f"remote partial fetching needs a sparse host-pool decode mode, not {mode.value}: "
+                         f"use --transfer full for dense decode")
 
 
 def prefill_config(decode: EngineConfig) -> EngineConfig:
@@ -74,16 +77,15 @@ def _log(role: str, msg: str) -> None:
 
 
 class PrefillWorker:
-    def __init__(self, config: EngineConfig, decode_addr: str, transfer: str = "rpf", transport: str = "nixl",
-                 host: str = "127.0.0.1", port: int = 0, preloaded: tuple | None = None,
-                 send_state: bool = True, prefix_cache: bool = False) -> None:
-        """``send_state``: hand off the sparse state (summaries, working-set map); False for a dense decode
-        peer, which needs only the KV. ``prefix_cache``: reuse staged prompt blocks across requests."""
-        if transfer not in TRANSFERS:
-            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
+    def __init__(self, config: EngineConfig, decode_addr: str, host: str = "127.0.0.1", port: int = 0,
+                 preloaded: tuple | None = None, send_state: bool = True) -> None:
+        """``config.pd``: what crosses (``transfer``), how (``transport``) and whether staged prompt blocks are
+        reused across requests (``prefix_cache``). ``send_state``: hand off the sparse state (summaries,
+        working-set map); False for a dense decode peer, which needs only the KV."""
         from oasiskv_runtime.pd.transport import make_transport
 
-        self.config, self.transfer, self.send_state = config, transfer, send_state
+        self.config, self.transfer, self.send_state = config, config.pd.transfer, send_state
+        transport = config.pd.transport
         self.engine = LLMEngine(config, preloaded)
         self.name = f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.transport = make_transport(transport, self.name, host=host)
@@ -99,7 +101,7 @@ class PrefillWorker:
         self.stop = False
         self.handed_off = 0
         self.cache = None
-        if prefix_cache:
+        if config.pd.prefix_cache:
             from oasiskv_runtime.pd.prefix_cache import PrefixCache
 
             self.cache = PrefixCache(config.cache.block_size, self.engine.kv.host_pool)
@@ -223,11 +225,12 @@ class PrefillWorker:
 
 
 class DecodeWorker:
-    def __init__(self, config: EngineConfig, transport: str = "nixl", host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 10.0, preloaded: tuple | None = None) -> None:
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 10.0,
+                 preloaded: tuple | None = None) -> None:
         check_pd_config(config)
         from oasiskv_runtime.pd.transport import make_transport
 
+        transport = config.pd.transport
         self.config = config
         self.engine = LLMEngine(config, preloaded)
         self.name = f"decode-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -422,28 +425,25 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
-    ap.add_argument("--config", required=True, help="EngineConfig as JSON (EngineConfig.to_dict)")
+    ap.add_argument("--config", required=True, help="EngineConfig as JSON (EngineConfig.to_dict; its pd section: "
+                    "transfer, transport, prefix cache)")
     ap.add_argument("--peer", help="decode worker HOST:PORT (prefill role)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--transfer", default="rpf", choices=TRANSFERS)
-    ap.add_argument("--transport", default="nixl", choices=("nixl", "tcp"))
     ap.add_argument("--timeout", type=float, default=10.0, help="deadline of one KV read (s)")
     ap.add_argument("--ready-file", help="write HOST:PORT here once serving")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--prefix-cache", action="store_true", help="prefill role: reuse staged prompt blocks")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     config = EngineConfig.from_dict(json.loads(a.config))
     try:
         if a.role == "decode":
-            w: Any = DecodeWorker(config, a.transport, a.host, a.port, a.timeout)
+            w: Any = DecodeWorker(config, a.host, a.port, a.timeout)
         else:
             if not a.peer:
                 ap.error("--peer HOST:PORT (the decode worker) is required for the prefill role")
-            w = PrefillWorker(prefill_config(config), a.peer, a.transfer, a.transport, a.host, a.port,
-                              send_state=config.mode.is_sparse, prefix_cache=a.prefix_cache)
+            w = PrefillWorker(prefill_config(config), a.peer, a.host, a.port, send_state=config.mode.is_sparse)
     except Exception:
         traceback.print_exc()
         return 2

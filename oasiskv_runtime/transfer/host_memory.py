@@ -10,7 +10,7 @@ when the region is collected; the tensors carved from it keep the memory itself 
 ``huge_pages`` marks the region ``MADV_HUGEPAGE`` before the fill (with transparent huge pages in ``madvise``
 mode, the default on our hosts, the pool is otherwise 4 KiB pages). Off by default: on the H200 host the GPU's
 UVA reads ran at the same 42-50 GB/s from a 64 GiB pool of either page size and from a 2 GiB one
-(``bench/pool_bandwidth.py``, bench/NOTES.md), so page translation is not what limits the pool's reads.
+(``bench/pool_bandwidth.py``; docs/benchmarks.md, "The host pool's read bandwidth"), so page translation is not what limits the pool's reads.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def _on_cuda(platform: str | None) -> bool:
 
 
 def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str | None = "auto",
-                block_size: int = 16, sink_blocks: int = 0, kernels: str = "auto",
+                block_size: int = 16, sink_blocks: int = 0, backend: str = "auto",
                 platform: str | None = None) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
@@ -70,7 +70,7 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     """
     check_vllm_version()
     opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
-                       sink_blocks=sink_blocks, kernels=kernels)
+                       sink_blocks=sink_blocks, backend=backend)
     parsed = opts.parsed_mode
     if parsed not in IMPLEMENTED_MODES:
         raise NotImplementedError(

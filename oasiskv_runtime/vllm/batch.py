@@ -9,9 +9,10 @@ requests have one or two query rows:
 * two rows, ``[last token, draft]``: a speculative-decoding verify step with one draft token (or a two-token
   chunk, which the same layout serves exactly: row 1 sees everything row 0 sees, plus its own KV).
 
-From those the builder makes :class:`DecodeBatch` (the same fields as ``oasiskv_runtime.core.batch.DecodeBatch`` of
-the embedded engine, so the engine-agnostic core can take it for the host-pool modes) and :class:`SummaryRuns`, the
-blocks whose key summaries this step rewrites. Decode values are computed on the device from ``seq_lens`` (exact even
+From those the builder makes the core's :class:`~oasiskv_runtime.core.batch.DecodeBatch` (what the embedded engine's
+model runner builds too: one batch type, one set of core calls) and :class:`SummaryRuns`, the blocks whose key
+summaries this step rewrites. ``state_rows`` are the batch positions here (sparse-resident keeps no per-request
+state); the host-pool modes will take stable rows from the KV connector's metadata. Decode values are computed on the device from ``seq_lens`` (exact even
 when the host only has an upper bound, as under asynchronous scheduling with speculation); only the prefill runs are
 planned on the host.
 
@@ -25,69 +26,11 @@ block table as the summary table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class DecodeBatch:
-    """This step's sparse-decode requests, ``B`` of them (mirrors ``oasiskv_runtime.core.batch.DecodeBatch``).
-
-    Row ``i`` of every tensor is the ``i``-th request of vLLM's (reordered) batch; rows index the flattened
-    ``[T, H, D]`` q/k/v of the step.
-    """
-
-    seq_ids: list[int]
-    """Batch positions of the requests (vLLM's attention metadata carries no request ids)."""
-    state_rows: torch.Tensor
-    """[B] int64: row in per-request state. Here the batch position, NOT stable across steps (sparse-resident keeps
-    no per-request state); the host-pool modes will take stable rows from the KV connector's metadata."""
-    q_rows: torch.Tensor
-    """[B] int64: flattened row of the request's token (its first query row)."""
-    draft_rows: torch.Tensor
-    """[B] int64: flattened row of the draft token (the look-ahead row); ``q_rows`` where there is none."""
-    has_draft: torch.Tensor
-    """[B] bool: the request has two query rows."""
-    local_block: torch.Tensor
-    """[B] int64: physical block holding the token's (active, partial) block."""
-    local_len: torch.Tensor
-    """[B] int64: valid tokens in it up to and including the token (the draft's KV is passed separately)."""
-    num_candidates: torch.Tensor
-    """[B] int32: full logical blocks before the active block (the blocks a prediction ranks)."""
-    next_candidates: torch.Tensor
-    """[B] int32: full logical blocks before the draft's block (what a prefetch for the next step ranks)."""
-    summary_table: torch.Tensor
-    """[B, NB] int32: vLLM's block table; with summaries ``[num_blocks, 1, Hkv, D]`` logical block ``j``'s summary
-    is row ``summary_table[b, j]``."""
-    primary_table: torch.Tensor
-    """[B, NB] int64: physical block of each logical block in vLLM's paged cache (where the full KV lives)."""
-    slot_blocks: torch.Tensor | None = None
-    """[B, K] int64: device block of each working-set slot (host-pool modes; None here)."""
-    local_rows: torch.Tensor | None = None
-    """[B] int64: flat device row of the token in the local block (host-pool modes; None here)."""
-    max_candidates: int = 0
-    """Host-side upper bounds of the candidate counts, so no kernel reads them back from the device."""
-    max_next_candidates: int = 0
-    step: int | torch.Tensor = 0
-    separate_draft_rows: bool = False
-    _memo: dict = field(default_factory=dict, repr=False)
-
-    def derived(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A tensor derived from this batch that every layer reads, made once per step by the first layer."""
-        t = self._memo.get(key)
-        if t is None:
-            t = self._memo[key] = make()
-        return t
-
-    def pred_rows(self) -> torch.Tensor:
-        """Per request, the row whose query predicts its next step's blocks: the draft's, else its own."""
-        return self.derived("pred_rows", lambda: torch.where(self.has_draft, self.draft_rows, self.q_rows))
-
-    def qd_rows(self) -> torch.Tensor:
-        """[2B]: each request's token row then its draft row, interleaved (one index op stacks both queries)."""
-        return self.derived("qd_rows", lambda: torch.stack([self.q_rows, self.draft_rows], dim=1).flatten())
+from oasiskv_runtime.core.batch import DecodeBatch
 
 
 @dataclass

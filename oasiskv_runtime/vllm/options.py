@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from oasiskv_runtime.config import Mode
+from oasiskv_runtime.config import EngineConfig, Mode
 
 CONFIG_KEY = "oasiskv"
 """Key of our options in ``additional_config``."""
@@ -23,25 +23,26 @@ VLLM_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISK
 IMPLEMENTED_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT)
 """Modes that run on vLLM today; the host-pool modes need the KV connector (not written yet)."""
 
-KERNELS = ("auto", "ref", "gpu")
+_SPECS = EngineConfig.options()
+
+
+def _default(name: str):
+    return _SPECS[name].default
 
 
 @dataclass(frozen=True)
 class VllmOptions:
-    """OasisKV settings of one vLLM engine (SPEC item 7 defaults)."""
+    """OasisKV settings of one vLLM engine: the embedded engine's options of the same names (defaults, valid values
+    and meanings from ``EngineConfig.options()``), plus the mode."""
 
     mode: str = Mode.SPARSE_RESIDENT.value
     """``dense`` (plain vLLM: the plug-in stays out), ``sparse-resident``, ``proxy-prefetch`` or ``oasiskv``."""
-    top_k_blocks: int = 128
-    """Blocks attended per KV head besides the active block (the selection budget K)."""
-    fetch_ratio: float = 0.05
-    """Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per head (host-pool modes)."""
-    block_size: int = 16
-    """Selection granularity in tokens; vLLM's KV block size is set to it (``engine_args``)."""
-    sink_blocks: int = 0
-    """Leading blocks always attended (attention sinks)."""
-    kernels: str = "auto"
-    """``auto`` (Triton kernels on CUDA, the PyTorch references on CPU), ``ref`` (references everywhere), ``gpu``."""
+    top_k_blocks: int = _default("top_k_blocks")
+    fetch_ratio: float = _default("fetch_ratio")
+    block_size: int = _default("block_size")
+    """Also vLLM's KV block size (``engine_args`` sets it): vLLM's kernels take multiples of 16."""
+    sink_blocks: int = _default("sink_blocks")
+    backend: str = _default("backend")
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
@@ -49,16 +50,13 @@ class VllmOptions:
             names = ", ".join(m.value for m in VLLM_MODES)
             raise ValueError(f"mode {mode.value!r} does not run on vLLM; choose one of: {names}")
         object.__setattr__(self, "mode", mode.value)
-        if self.top_k_blocks < 1:
-            raise ValueError(f"top_k_blocks must be >= 1, got {self.top_k_blocks}")
-        if not 0.0 < self.fetch_ratio <= 1.0:
-            raise ValueError(f"fetch_ratio must be in (0, 1], got {self.fetch_ratio}")
-        if self.block_size < 16 or self.block_size % 16:
+        for f in fields(self):
+            if f.name != "mode":
+                _SPECS[f.name].validate(getattr(self, f.name))
+        if self.sink_blocks >= self.top_k_blocks:
+            raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
+        if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
-        if self.sink_blocks < 0:
-            raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
 
     @property
     def parsed_mode(self) -> Mode:
