@@ -140,7 +140,7 @@ class LLMEngine:
             host = PagedKVCache(mc.num_layers, num_host_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype, "cpu",
                                 pin_memory=device.type == "cuda", zero=False)
             tier = self.kv.tier_first is not None
-            pool = HostKVPool(host, cache if tier else None, self.kv.tier_first)
+            pool = HostKVPool(host, cache if tier else None, self.kv.tier_first, cfg.kernels.backend)
         return OasisKVAttention(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, cache, pool, scale,
                                 cfg.scheduler.max_num_seqs + 1)  # + the padding rows of CUDA graphs
 

@@ -515,16 +515,20 @@ def _scatter_triton(k, v, host_k, host_v, dst_rows, programs, tier: PoolTier | N
 
 
 def uva_scatter_rows(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                     dst_rows: torch.Tensor, programs: int = 0, tier: PoolTier | None = None) -> None:
+                     dst_rows: torch.Tensor, programs: int = 0, tier: PoolTier | None = None,
+                     backend: str = "auto") -> None:
     """Write token rows ``k, v: [n, Hkv, D]`` (CUDA) into a pinned host pool viewed as ``[rows, Hkv, D]`` with
     one kernel launch (a tiered pool too: rows past the host part go to the tier in the same pass) and no host
     synchronisation (the GPU writes over UVA). ``programs``: CTAs in the grid, each looping over its share of
-    the rows (0: one per row). Rows of ``-1`` are skipped. Falls back to the reference for CPU tensors."""
+    the rows (0: one per row). Rows of ``-1`` are skipped. Falls back to the reference for CPU tensors and with
+    ``backend="ref"``."""
+    if backend not in ("auto", "ref"):
+        raise ValueError(f"unknown backend {backend!r}")
     n = k.shape[0]
     if n == 0:
         return
     mapped = host_k.is_cuda or host_k.is_pinned()
-    if not k.is_cuda or not mapped or not _triton_available():
+    if backend == "ref" or not k.is_cuda or not mapped or not _triton_available():
         uva_scatter_rows_ref(k, v, host_k, host_v, dst_rows, tier=tier)
         return
     if tier is not None and not (tier.k.is_contiguous() and tier.v.is_contiguous()):

@@ -17,13 +17,14 @@ from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 
 class HostKVPool:
     """``host``: per-layer ``[num_host_blocks, block_size, Hkv, D]`` K and V (pinned on CUDA); ``device``: the
-    device cache whose blocks serve as the tier (ids ``tier_first + j``), or None without a tier."""
+    device cache whose blocks serve as the tier (ids ``tier_first + j``), or None without a tier; ``backend``: the
+    ops' ``"auto"`` or ``"ref"`` for its writes."""
 
-    def __init__(self, host: PagedKVCache, device: PagedKVCache | None = None, tier_first: int | None = None
-                 ) -> None:
+    def __init__(self, host: PagedKVCache, device: PagedKVCache | None = None, tier_first: int | None = None,
+                 backend: str = "auto") -> None:
         if (device is None) != (tier_first is None):
             raise ValueError("a device tier needs both the device cache and tier_first")
-        self.host, self.device, self.tier_first = host, device, tier_first
+        self.host, self.device, self.tier_first, self.backend = host, device, tier_first, backend
         self.block_size = host.block_size
 
     @property
@@ -48,7 +49,8 @@ class HostKVPool:
     def write_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """``k, v: [n, Hkv, D]`` into flat pool rows ``rows: [n]`` (block * block_size + offset; -1 skipped): one
         UVA scatter on CUDA, ordered on the current stream; the reference elsewhere."""
-        uva_scatter_rows(k, v, self.host.k[layer], self.host.v[layer], rows, tier=self.tier(layer))
+        uva_scatter_rows(k, v, self.host.k[layer], self.host.v[layer], rows, tier=self.tier(layer),
+                         backend=self.backend)
 
     def read(self, layer: int, blocks: torch.Tensor, num_tokens: int, out_rows: int | None = None,
              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
