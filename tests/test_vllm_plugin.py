@@ -506,3 +506,18 @@ def test_plain_vllm_with_plugin_installed_is_untouched(engines):
     assert "oasiskv" in {ep.name for ep in entry_points(group="vllm.general_plugins")}
     st = engines("llama", "plain")["stats"]
     assert st["impls"] == ["CPUAttentionBackendImpl"] and st["layers"] == 0
+
+
+def test_unsupported_features_read_both_vllm_layouts_of_no_window():
+    """vLLM 0.26's FLASH_ATTN stores "no sliding window" as (-1, -1), CPU_ATTN as None: both are plain causal
+    attention (the H200 run first refused Qwen3 for that); a real window, ALiBi, soft-capping, sinks are refused."""
+    from types import SimpleNamespace
+
+    from oasiskv_runtime.vllm.backend import unsupported_features
+
+    for window in (None, -1, (-1, -1), [-1, -1]):
+        assert unsupported_features(SimpleNamespace(sliding_window=window)) == []
+    assert unsupported_features(SimpleNamespace(sliding_window=(4095, 0))) == ["sliding_window"]
+    assert unsupported_features(SimpleNamespace(alibi_slopes=[1.0], logits_soft_cap=30.0, sinks=None,
+                                                attn_type="encoder")) == ["alibi_slopes", "logits_soft_cap",
+                                                                          "attn_type=encoder"]

@@ -189,6 +189,21 @@ class OasisKVBuilderMixin:
         return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common_attn_metadata.num_actual_tokens)
 
 
+def unsupported_features(impl: Any) -> list[str]:
+    """What an attention implementation uses that OasisKV's sparse decode does not model: sliding windows (vLLM's
+    FLASH_ATTN stores "none" as ``(-1, -1)``, CPU_ATTN as None or -1), ALiBi, logit soft-capping, attention sinks,
+    non-decoder attention."""
+    window = getattr(impl, "sliding_window", None)
+    found = {"sliding_window": window not in (None, -1, (-1, -1), [-1, -1]),
+             "alibi_slopes": getattr(impl, "alibi_slopes", None) is not None,
+             "logits_soft_cap": bool(getattr(impl, "logits_soft_cap", 0) or 0),
+             "sinks": getattr(impl, "sinks", None) is not None}
+    bad = [name for name, on in found.items() if on]
+    if getattr(impl, "attn_type", "decoder") != "decoder":
+        bad.append(f"attn_type={impl.attn_type}")
+    return bad
+
+
 class OasisKVImplMixin:
     """Placed before vLLM's attention implementation in the MRO (one instance per layer)."""
 
@@ -204,13 +219,7 @@ class OasisKVImplMixin:
         """Over this layer's key summaries (made with them at the first real step)."""
         self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
         """Counters read by :func:`collect_stats` (device tensors: no host sync per layer)."""
-        unsupported = {"sliding_window": getattr(self, "sliding_window", None) not in (None, -1),
-                       "alibi_slopes": getattr(self, "alibi_slopes", None) is not None,
-                       "logits_soft_cap": bool(getattr(self, "logits_soft_cap", 0) or 0),
-                       "sinks": getattr(self, "sinks", None) is not None}
-        bad = [name for name, on in unsupported.items() if on]
-        if getattr(self, "attn_type", "decoder") != "decoder":
-            bad.append(f"attn_type={self.attn_type}")
+        bad = unsupported_features(self)
         if bad:
             raise ValueError(f"OasisKV on vLLM supports plain causal decoder (GQA) attention; this layer uses {bad}")
 
