@@ -99,33 +99,34 @@ class OasisKVAttention:
                 self.pipeline.remote.forget(seq_id)
 
     # ---- prefill-decode hand-off ------------------------------------------------------------------------------
+    def _hand_off_rows(self, op: str, blocks, context_len: int) -> torch.Tensor:
+        """The flat summary rows of a handed-off request's blocks (after checking the mode can hand off)."""
+        if not self.mode.uses_host_pool:
+            raise ValueError(f"{op} needs a host-pool mode, not {self.mode.value}")
+        bs = self.dev_cache.block_size
+        return summary_rows(blocks.summary_blocks, -(-context_len // bs), bs, self.device)
+
     def export_request(self, seq_id: int, blocks, context_len: int, step: int) -> dict:
         """What a decode peer needs to continue a request prefilled here (``blocks``: its ``RequestBlocks``): the
         key summaries of every block and the per-head map filled at the end of prefill, stamps relative to
         ``step``."""
-        if not self.mode.uses_host_pool:
-            raise ValueError(f"export_request needs a host-pool mode, not {self.mode.value}")
+        rows = self._hand_off_rows("export_request", blocks, context_len)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        bs = self.dev_cache.block_size
-        return self.pipeline.export(seq_id, summary_rows(blocks.summary_blocks, -(-context_len // bs), bs, self.device),
-                                    step)
+        return self.pipeline.export(seq_id, rows, step)
 
     def import_request(self, seq_id: int, blocks, context_len: int, state: dict, step: int) -> None:
         """Install a request prefilled by a peer (its prompt KV already in the pool, at least the blocks of
         ``state["slot_map"]`` and the partial last block): summaries, the per-head map, the working set."""
-        if not self.mode.uses_host_pool:
-            raise ValueError(f"import_request needs a host-pool mode, not {self.mode.value}")
+        rows = self._hand_off_rows("import_request", blocks, context_len)
         if self.pool.tier_first is not None:
             raise ValueError("a request prefilled by a peer arrives in the host pool: not supported with a "
                              "device tier (device_tier)")
         if self.sparse.dense_layers:
             raise ValueError("dense_layers read every block of the context: not supported for a request "
                              "prefilled by a peer")
-        bs = self.dev_cache.block_size
         long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        self.pipeline.install(seq_id, state, summary_rows(blocks.summary_blocks, -(-context_len // bs), bs, self.device),
-                              long(blocks.host_blocks), long(blocks.ws_blocks[1:]), step)
+        self.pipeline.install(seq_id, state, rows, long(blocks.host_blocks), long(blocks.ws_blocks[1:]), step)
         tail = [(SeqSlice(seq_id, 0, 0, context_len, blocks.host_blocks), blocks.ws_blocks[0])]
         for layer in range(self.num_layers):  # the partial last block into the local block
             self.context.copy_tails(layer, tail, device_path=False)
