@@ -165,6 +165,136 @@ def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
     torch.testing.assert_close(outs["auto"].float(), outs["ref"].float(), rtol=tol, atol=tol)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Host-pool modes: request identity across steps, the per-step plan over the working sets (no vLLM)
+# ---------------------------------------------------------------------------------------------------------------
+def _sched(new=(), cached=(), resumed=(), finished=(), preempted=(), spec=None):
+    """A SchedulerOutput-like object: ``new`` = (req_id, prompt_len, first_block, computed, scheduled), ``cached`` =
+    (req_id, computed, scheduled[, first_block when resumed])."""
+    from types import SimpleNamespace as NS
+
+    new_reqs = [NS(req_id=r, prompt_token_ids=[0] * n, block_ids=([b, b + 1],), num_computed_tokens=c)
+                for r, n, b, c, _ in new]
+    cached_reqs = NS(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
+                     resumed_req_ids=set(resumed),
+                     new_block_ids=[([c[3]],) if c[0] in resumed else None for c in cached])
+    sched = {r: s for r, _, _, _, s in new} | {c[0]: c[2] for c in cached}
+    return NS(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=sched,
+              scheduled_spec_decode_tokens=spec or {}, finished_req_ids=set(finished),
+              preempted_req_ids=set(preempted))
+
+
+def test_request_tracker_starts_fills_frees_and_reuses_blocks():
+    from oasiskv_runtime.vllm.requests import RequestTracker
+
+    t = RequestTracker()
+    t.on_alloc("a", 4, 40)
+    t.on_alloc("b", 9, 2)
+    # a: 40-token prompt in chunks of 30 + 10; b: a 2-token prompt (sorts among the decodes: a short prefill)
+    ev = t.step(_sched(new=[("a", 40, 4, 0, 30), ("b", 2, 9, 0, 2)]))
+    assert ev.start == [("a", 4), ("b", 9)] and ev.fill == ["b"] and ev.free == [] and ev.short_prefills == 1
+    ev = t.step(_sched(cached=[("a", 30, 10), ("b", 2, 2)], spec={"b": [7]}))
+    assert ev.start == [] and ev.fill == ["a"] and ev.short_prefills == 0
+    # decodes with a draft never fill again; b finishes, c takes b's first block in the same step
+    t.on_alloc("c", 9, 17)
+    ev = t.step(_sched(new=[("c", 17, 9, 0, 17)], cached=[("a", 40, 2)], spec={"a": [3]}, finished=["b"]))
+    assert ev.free == ["b"] and ev.start == [("c", 9)] and ev.fill == ["c"]
+    # a is preempted (its blocks freed), later resumed from token 0 with new blocks: a fresh start and fill
+    ev = t.step(_sched(cached=[("c", 17, 1)], preempted=["a"]))
+    assert ev.free == ["a"] and ev.start == [] and t.live == {"c": 9}
+    t.on_alloc("a", 21, 43)
+    ev = t.step(_sched(cached=[("c", 18, 1), ("a", 0, 43, 21)], resumed=["a"]))
+    assert ev.start == [("a", 21)] and ev.fill == ["a"] and ev.free == []
+    # a request finishing twice (finished after a preemption) is freed once; unknown ids are ignored
+    ev = t.step(_sched(finished=["a", "zz"]))
+    assert ev.free == ["a"]
+    with pytest.raises(RuntimeError, match="prefix caching off"):
+        t.step(_sched(new=[("d", 40, 30, 16, 24)]))
+
+
+def test_step_events_merge_keeps_lifecycle_and_the_last_fill():
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    a = StepEvents(start=[("x", 1)], free=["w"], fill=["x"], short_prefills=1)
+    b = StepEvents(start=[("y", 2)], free=["x"], fill=[], short_prefills=0)
+    m = a.merge(b)
+    assert m.start == [("x", 1), ("y", 2)] and m.free == ["w", "x"] and m.fill == [] and m.short_prefills == 0
+
+
+def test_host_pool_batch_local_slots_gap_and_masks():
+    from oasiskv_runtime.vllm.batch import LOCAL_SLOTS, host_pool_batch
+
+    k = 4
+    # [token, draft] at p=46 (draft 47 ends block 2), [token] at p=48 after an accepted draft crossed a block
+    # (bound 2 < 3 candidates: a gap), [token, draft] at p=31 (draft in the next block), and a row without a
+    # working set (a two-token prefill chunk)
+    query_lens, seq_lens = [2, 1, 2, 2], [48, 49, 33, 20]
+    qsl, seqs, table = _metadata(query_lens, seq_lens)
+    b = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=4, max_seq_len=49, block_size=BS).batch
+    rows = torch.tensor([3, 0, 5, 1])
+    ready = torch.tensor([True, True, True, False])
+    bound = torch.tensor([2, 2, 1, 0], dtype=torch.int32)
+    h = host_pool_batch(b, rows, ready, bound, k, BS, step=7)
+    w = k + LOCAL_SLOTS
+    core = h.batch
+    assert core.state_rows.tolist() == [3, 0, 5, 1] and core.step == 7
+    assert core.local_block.tolist() == [3 * w + 0, 0 * w + 1, 5 * w + 1, 1 * w + 1]
+    assert core.slot_blocks[0].tolist() == [3 * w + 2 + i for i in range(k)]
+    assert core.num_candidates.tolist() == [2, 3, 1, 0] and core.next_candidates.tolist() == [2, 3, 2, 0]
+    assert h.gap_block.tolist() == [-1, 0 * w + (3 - 1) % 2, -1, -1]
+    tok = [(3 * w + 0) * BS + 14, (0 * w + 1) * BS + 0, (5 * w + 1) * BS + 15, (1 * w + 1) * BS + 2]
+    draft = [(3 * w + 0) * BS + 15, tok[1], (5 * w + 0) * BS + 0, (1 * w + 1) * BS + 3]
+    assert h.local_dst.tolist() == tok + draft
+    assert h.local_src.tolist() == b.q_rows.tolist() + b.draft_rows.tolist()
+    assert h.next_bound.tolist() == [2, 3, 2, 0]
+    assert torch.equal(h.resident.local_block, b.local_block)  # vLLM's blocks, for rows without a working set
+
+
+def test_fill_batch_finds_requests_by_first_block():
+    from oasiskv_runtime.vllm.batch import LOCAL_SLOTS, fill_batch
+
+    k = 3
+    query_lens, seq_lens = [1, 30, 17]  , [40, 30, 64]
+    qsl, seqs, table = _metadata(query_lens, seq_lens)
+    f = fill_batch(qsl, seqs, table, torch.tensor([int(table[2, 0]), int(table[1, 0])]), torch.tensor([4, 2]), k,
+                   BS, max_seq_len=64, step=3, seq_ids=["x", "y"])
+    b = f.batch
+    assert b.q_rows.tolist() == [47, 30] and b.num_candidates.tolist() == [4, 1]
+    assert torch.equal(b.primary_table, table[[2, 1]].long())
+    w = k + LOCAL_SLOTS
+    assert b.local_block.tolist() == [4 * w + 0, 2 * w + 1] and f.tail_dst.tolist() == b.local_block.tolist()
+    # the prompt's partial last block (64 tokens end on a boundary: the column is clamped into the table)
+    assert f.tail_src.tolist() == [int(table[2, min(4, table.shape[1] - 1)]), int(table[1, 1])]
+    assert b.slot_blocks.tolist() == [[4 * w + 2 + i for i in range(k)], [2 * w + 2 + i for i in range(k)]]
+
+
+def test_host_pool_runtime_rows_follow_requests():
+    """The runtime's rows by request id and first block: a freed request's row and block mapping go back; a new
+    request on the freed first block gets a fresh row (not ready); freeing the old one later leaves it alone."""
+    from oasiskv_runtime.vllm.host_pool import HostPoolRuntime, layer_index
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    opts = VllmOptions(mode="oasiskv", top_k_blocks=4)
+    rt = HostPoolRuntime(opts, num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=32, dtype=torch.float32,
+                         device=torch.device("cpu"), max_rows=3)
+    rt.apply(StepEvents(start=[("a", 5), ("b", 7)]))
+    ra, rb = rt.head_map.rows["a"], rt.head_map.rows["b"]
+    assert ra != rb and rt.scratch_row not in (ra, rb)
+    assert int(rt.row_of_block[5]) == ra and int(rt.row_of_block[7]) == rb
+    rt.ready[ra] = True
+    rt.head_map.slot_map[ra] = 3
+    rt.apply(StepEvents(free=["a"], start=[("c", 5)]))
+    rc = rt.head_map.rows["c"]
+    assert "a" not in rt.head_map.rows and int(rt.row_of_block[5]) == rc and not bool(rt.ready[rc])
+    assert bool((rt.head_map.slot_map[rc] == -1).all())
+    rt.apply(StepEvents(start=[("d", 9)]))
+    with pytest.raises(RuntimeError, match="more running requests than state rows"):
+        rt.apply(StepEvents(start=[("e", 11)]))
+    assert layer_index("model.layers.12.self_attn.attn") == 12 and layer_index("layers.0") == 0
+    with pytest.raises(ValueError):
+        layer_index("model.decoder.attn")
+
+
 def test_options_and_version_errors():
     assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
     for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
