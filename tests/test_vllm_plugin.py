@@ -423,18 +423,26 @@ def tiny_dir(tmp_path_factory):
 class _Step:
     """One hand-made step of vLLM's attention for a single layer: metadata, vLLM's own KV write, our forward."""
 
-    def __init__(self, tiny_dir, top_k: int):
-        from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    def __init__(self, tiny_dir, top_k: int, mode: str = "sparse-resident", **options):
+        from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig,
+                                 VllmConfig, set_current_vllm_config)
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+        from oasiskv_runtime.vllm import engine_args
         from oasiskv_runtime.vllm.backend import oasiskv_backend
         from oasiskv_runtime.vllm.plugin import _base
 
-        opts = {"mode": "sparse-resident", "top_k_blocks": top_k}
+        opts = {"mode": mode, "top_k_blocks": top_k, **options}
         model = ModelConfig(model=str(tiny_dir), dtype="float32", skip_tokenizer_init=True)
         spec = SpeculativeConfig(target_model_config=model, target_parallel_config=ParallelConfig(),
                                  **speculative_config("ngram"))
-        cfg = VllmConfig(model_config=model, speculative_config=spec, additional_config={"oasiskv": opts})
+        extra = {}
+        if mode in ("oasiskv", "proxy-prefetch"):  # what engine_args adds for the host-pool modes
+            args = engine_args(mode=mode, platform="cpu")
+            extra = dict(kv_transfer_config=KVTransferConfig(**args["kv_transfer_config"]),
+                         cache_config=CacheConfig(enable_prefix_caching=args["enable_prefix_caching"]))
+        cfg = VllmConfig(model_config=model, speculative_config=spec, additional_config={"oasiskv": opts}, **extra)
+        cfg.scheduler_config.max_num_seqs = 4  # the working sets' state rows
         kv_spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
         with set_current_vllm_config(cfg):
             backend = oasiskv_backend(_base("CPU_ATTN"))
@@ -442,7 +450,8 @@ class _Step:
             self.impl = backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV,
                                                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
         assert self.builder.reorder_batch_threshold == 2  # [token, draft] counts as a decode
-        self.layer = type("Layer", (), {"isa": self.builder.isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0})()
+        self.layer = type("Layer", (), {"isa": self.builder.isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0,
+                                        "layer_name": "model.layers.0.self_attn.attn"})()
 
     def run(self, kv_cache, table, query_lens, seq_lens, q, k, v):
         from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -544,6 +553,128 @@ def test_builder_and_impl_prefill_then_decode_with_drafts(tiny_dir, top_k):
             if ok is False:  # the next step writes another token where the rejected draft was
                 keys[r][computed[r]] = torch.randn(HKV, D)
                 vals[r][computed[r]] = torch.randn(HKV, D)
+
+
+# A host-pool run by hand: per step, per request ("p", n) a prefill chunk of n rows, ("d", draft, accepted) a decode
+# ([token, draft] or [token]); "end" finishes it (freed at the next step). Request "d" takes over "c"'s blocks.
+_PROMPTS = {"a": 37, "b": 72, "c": 42, "d": 20}
+_HOST_STEPS = [
+    {"a": ("p", 37), "b": ("p", 46), "c": ("p", 40)},
+    {"a": ("d", True, True), "b": ("p", 26), "c": ("p", 2)},           # c: a 2-row prefill chunk among the decodes
+    {"a": ("d", True, False), "b": ("d", True, True), "c": ("d", True, True)},
+    {"a": ("d", True, True), "b": ("d", False, None), "c": ("d", True, False)},
+    {"a": ("d", True, True), "b": ("d", True, True), "c": "end"},
+    {"a": ("d", True, True), "b": ("d", True, False), "d": ("p", 20)},  # p=46: the draft ends block 2, accepted
+    {"a": ("d", False, None), "b": ("d", True, True), "d": ("d", True, True)},  # p=48: block 2 was never ranked
+    {"a": ("d", True, True), "b": ("d", True, True), "d": ("d", True, True)},
+    {"a": ("d", True, True), "b": ("d", True, True), "d": ("d", False, None)},
+    {"a": ("d", True, True), "b": ("d", True, True), "d": ("d", True, True)},
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+@pytest.mark.parametrize("mode, top_k", [("oasiskv", 16), ("proxy-prefetch", 16), ("oasiskv", 2),
+                                         ("proxy-prefetch", 2)])
+def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k):
+    """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
+    given by hand. Every prefill row equals causal attention (vLLM's kernel); a decode row attends exactly what its
+    working set holds: with top-K covering the context, that is causal attention (exact); with top-K 2, the blocks
+    of its per-head map before the step, the active block, and the block an accepted draft completed (the "gap"),
+    checked against a reference built from the map. The working set always holds the true KV of the blocks its map
+    names, no step fetches more than the cap, and recall is measured."""
+    from oasiskv_runtime.vllm import connector
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    torch.manual_seed(0)
+    step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=True)
+    nb = 40
+    kv_cache = torch.zeros(nb, HKV, BS, 2 * D)
+    perm = torch.randperm(nb)
+    tables = {"a": perm[0:8], "b": perm[8:16], "c": perm[16:24]}
+    tables["d"] = tables["c"]  # d starts on c's freed blocks: same first block, a new request
+    keys = {r: torch.randn(128, HKV, D) for r in _PROMPTS}
+    vals = {r: torch.randn(128, HKV, D) for r in _PROMPTS}
+    computed = dict.fromkeys(_PROMPTS, 0)
+    bound: dict[str, int] = {}  # per request, the candidate count its last prediction ranked
+    pending: list[str] = []
+    events_box: list = []
+    monkeypatch.setattr(connector, "connector_events", lambda: (True, events_box.pop()))
+    rt = None
+    for actions in _HOST_STEPS:
+        ev = StepEvents(free=pending)
+        pending = [r for r, a in actions.items() if a == "end"]
+        live = {r: a for r, a in actions.items() if a != "end"}
+        order = sorted(live, key=lambda r: (live[r][0] == "p" and live[r][1] > 2, r))  # decodes first
+        query_lens, seq_lens, q_rows = [], [], {}
+        for r in order:
+            a = live[r]
+            n = a[1] if a[0] == "p" else 1 + a[1]
+            if computed[r] == 0:
+                ev.start.append((r, int(tables[r][0])))
+            if a[0] == "p":
+                ev.short_prefills += n <= 2
+                if computed[r] + n == _PROMPTS[r]:
+                    ev.fill.append(r)
+            q_rows[r] = (sum(query_lens), n)
+            query_lens.append(n)
+            seq_lens.append(computed[r] + n)
+        events_box.append(ev)
+        before = None if rt is None else rt.head_map.slot_map[:, 0].clone()
+        q = torch.randn(sum(query_lens), HQ, D)
+        k = torch.cat([keys[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
+        v = torch.cat([vals[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
+        table = torch.stack([tables[r] for r in order]).int()
+        _, out = step.run(kv_cache, table, query_lens, seq_lens, q, k, v)
+        rt = step.impl.runtime
+        for r in order:
+            a, (row0, n) = live[r], q_rows[r]
+            prefill = a[0] == "p"
+            for i in range(n):
+                n_row = computed[r] + i + 1
+                allowed = torch.ones(n_row, HKV, dtype=torch.bool)
+                if not prefill and top_k < 16:
+                    p = computed[r]
+                    allowed[:] = False
+                    state = rt.head_map.rows[r]
+                    for h in range(HKV):
+                        for j in before[state, h].tolist():
+                            if j >= 0:
+                                allowed[j * BS:(j + 1) * BS, h] = True
+                    first = (p // BS - 1) * BS if p // BS > bound[r] else p // BS * BS
+                    allowed[first:] = True
+                ref = _attend(q[row0 + i], keys[r][:n_row], vals[r][:n_row], allowed)
+                tol = 1e-4 if prefill else 1e-5
+                torch.testing.assert_close(out[row0 + i], ref, rtol=tol, atol=tol, msg=f"{r} row {i} {a}")
+            if prefill:
+                computed[r] += n
+                if computed[r] == _PROMPTS[r]:
+                    bound[r] = computed[r] // BS
+            else:
+                bound[r] = (computed[r] + 1) // BS
+                accepted = a[1] and a[2]
+                computed[r] += 2 if accepted else 1
+                if a[1] and not accepted:  # the next step writes the real token where the rejected draft was
+                    keys[r][computed[r]] = torch.randn(HKV, D)
+                    vals[r][computed[r]] = torch.randn(HKV, D)
+        # the working set holds the true KV of every block its map names
+        for r in live:
+            if r not in rt.head_map.rows:
+                continue
+            state = rt.head_map.rows[r]
+            smap = rt.head_map.slot_map[state, 0]
+            for h in range(HKV):
+                for s, j in enumerate(smap[h].tolist()):
+                    if j >= 0:
+                        blk = state * (top_k + 2) + 2 + s
+                        assert j < computed[r] // BS
+                        assert torch.equal(rt.ws.k[0][blk, :, h], keys[r][j * BS:(j + 1) * BS, h])
+                        assert torch.equal(rt.ws.v[0][blk, :, h], vals[r][j * BS:(j + 1) * BS, h])
+    st = rt.run_stats()
+    assert "c" not in rt.head_map.rows and set(rt.head_map.rows) == {"a", "b", "d"}
+    assert st["fills"] == 4 and st["gap_rows"] >= 1 and st["fallback_steps"] == 1
+    assert st["max_step_bytes_over_cap"] == 0 and st["fetched_bytes_per_step"] > 0
+    assert st["prediction_recall"] is None if top_k >= 16 else 0.0 <= st["prediction_recall"] <= 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
