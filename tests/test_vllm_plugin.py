@@ -355,8 +355,7 @@ def test_plugin_resolves_backend_names_by_the_engines_options():
         assert resolve_obj_by_qualname(".".join(custom.full_cls_name())) is custom
     for mode in ("oasiskv", "proxy-prefetch"):
         with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": mode}})):
-            with pytest.raises(NotImplementedError, match="not implemented on vLLM yet"):
-                plugin.CPU_ATTN
+            assert plugin.CPU_ATTN is ours
     with pytest.raises(AttributeError):
         plugin.not_a_backend
 
@@ -373,18 +372,47 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
 
     assert engine_args(mode="dense", platform=platform) == {}  # plain vLLM: nothing of ours
     assert engine_args(mode="dense", draft="ngram", platform=platform)["speculative_config"]["method"] == "ngram"
-    for mode in ("oasiskv", "proxy-prefetch"):
-        with pytest.raises(NotImplementedError, match="not implemented on vLLM yet"):
-            engine_args(mode=mode, platform=platform)
-    kwargs = dict(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform)
-    args = engine_args(**kwargs)
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_dir)] + serve_flags(**kwargs)))
-    for key in ("additional_config", "block_size", "speculative_config", "attention_backend"):
-        assert getattr(parsed, key) == args.get(key), key
-    assert args["additional_config"]["oasiskv"]["top_k_blocks"] == 64 and args["block_size"] == 16
+    for kwargs in (dict(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform),
+                   dict(mode="oasiskv", top_k_blocks=32, fetch_ratio=0.1, platform=platform),
+                   dict(mode="proxy-prefetch", measure_recall=True, platform=platform)):
+        args = engine_args(**kwargs)
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_dir)] + serve_flags(**kwargs)))
+        for key in ("additional_config", "block_size", "speculative_config", "attention_backend"):
+            assert getattr(parsed, key) == args.get(key), key
+        host = kwargs["mode"] != "sparse-resident"
+        if host:  # our KV connector carries the request lifecycle; a request is known by its first block
+            assert parsed.enable_prefix_caching is False and args["enable_prefix_caching"] is False
+            assert parsed.kv_transfer_config.kv_connector == args["kv_transfer_config"]["kv_connector"] \
+                == "OasisKVConnector"
+            assert parsed.kv_transfer_config.kv_connector_module_path == "oasiskv_runtime.vllm.connector"
+        else:
+            assert "kv_transfer_config" not in args and "enable_prefix_caching" not in args
+        assert args["block_size"] == 16
+        assert args.get("attention_backend") == ("CUSTOM" if platform == "cuda" else None)
+    args = engine_args(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform)
+    assert args["additional_config"]["oasiskv"]["top_k_blocks"] == 64
     assert args["speculative_config"]["num_speculative_tokens"] == 1 and args["disable_log_stats"] is False
-    assert args.get("attention_backend") == ("CUSTOM" if platform == "cuda" else None)
+    assert engine_args(mode="oasiskv", platform=platform)["speculative_config"]["method"] == "ngram"  # auto draft
+    assert "speculative_config" not in engine_args(mode="proxy-prefetch", platform=platform)
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_host_pool_modes_refuse_configs_vllm_would_run_wrongly():
+    """Without our connector the workers would never learn when requests start and end; with prefix caching two
+    requests could share a first block: both are refused with what to set."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    from oasiskv_runtime.vllm import engine_args
+    from oasiskv_runtime.vllm.backend import check_host_pool_config
+
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        check_host_pool_config(VllmConfig())
+    kv = KVTransferConfig(**engine_args(mode="oasiskv", platform="cpu")["kv_transfer_config"])
+    with pytest.raises(ValueError, match="prefix caching off"):
+        check_host_pool_config(VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(enable_prefix_caching=True)))
+    check_host_pool_config(VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(enable_prefix_caching=False)))
 
 
 @pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
