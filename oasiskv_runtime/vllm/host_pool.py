@@ -40,6 +40,7 @@ from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
 from oasiskv_runtime.transfer.host_pool import HostKVPool
@@ -145,6 +146,7 @@ class HostPoolRuntime:
         first = self.first.pop(req_id, None)
         row = self.head_map.rows.get(req_id)
         if row is not None:
+            self.transfer.settle(self.kernels.pipeline_priority)  # its copies are counted on the background streams
             self.stats.add_request_fetched(req_id, self.transfer.counters.take_request(row))
             self.head_map.free(req_id)
             self.ready[row] = False
@@ -172,6 +174,11 @@ class HostPoolRuntime:
         slot_mapping, num_tokens, max_seq_len)."""
         if self.cur is not None and not self.cur.ended:
             self._end_step()
+        if self.transfer.background:
+            # Last step's batch tensors are freed once this step's replace them, and their memory reused on this
+            # stream: order it after every background job that read them (a GPU-side wait, not a host sync), as the
+            # embedded engine does.
+            self.transfer.wait_all()
         if self._pending_ready is not None:  # last step's fills: those requests decode over their working sets now
             self.ready.index_fill_(0, self._pending_ready, True)
             self._pending_ready = None
@@ -204,7 +211,7 @@ class HostPoolRuntime:
             self.counts["gap_rows"] = gaps if self.counts["gap_rows"] is None else self.counts["gap_rows"] + gaps
         fills = [r for r in events.fill if r in self.first]
         if fills:
-            long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+            long = lambda xs: host_list_to(xs, torch.long, self.device)  # noqa: E731
             rows = long([self.head_map.rows[r] for r in fills])
             st.fill = fill_batch(common["query_start_loc"], common["seq_lens"], common["block_table"],
                                  long([self.first[r] for r in fills]), rows, self.k_slots, self.block_size,
@@ -298,12 +305,14 @@ class HostPoolRuntime:
             return
         if st.fill is not None:
             self._pending_ready = st.fill.batch.state_rows
-        self.transfer.end_step(self.kernels.pipeline_priority)
-        if st.decode is not None:
-            total = self.transfer.counters.fetched.sum()
+        prio = self.kernels.pipeline_priority
+        self.transfer.end_step(prio)
+        if st.decode is not None:  # this step's copies against its cap, counted where end_step counts (no sync)
             cap = len(st.decode.batch.seq_ids) * self.head_map.slot_map.shape[2] * self.num_layers * self.cap
-            torch.maximum(self._cap_excess, total - self._fetched_before - cap, out=self._cap_excess)
-            self._fetched_before.copy_(total)
+            with self.transfer.on(self.transfer.streams(prio)[2] if self.transfer.background else None):
+                total = self.transfer.counters.fetched.sum()
+                torch.maximum(self._cap_excess, total - self._fetched_before - cap, out=self._cap_excess)
+                self._fetched_before.copy_(total)
 
     # ---- reporting ----------------------------------------------------------------------------------------------
     def run_stats(self) -> dict:
