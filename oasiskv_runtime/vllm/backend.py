@@ -14,7 +14,9 @@ Four pieces, as vLLM's backends have (each made once per base backend by :func:`
 
 The mechanism is the engine-agnostic core's (``core.summaries.KeySummaries``, ``core.predictor.Predictor``, the
 batch ``core.batch.DecodeBatch``) and the ops' (``ops/sparse_attention``): nothing here re-implements them.
-sparse-resident only: the full KV stays in vLLM's paged cache.
+In sparse-resident the selected blocks are read in vLLM's paged cache. In the host-pool modes (proxy-prefetch,
+oasiskv) the ``Impl`` hands its layer to the worker's shared :class:`~oasiskv_runtime.vllm.host_pool.HostPoolRuntime`
+(pinned host pool, working sets, per-head map, prefetch pipeline); decode rows read only the working sets.
 """
 
 from __future__ import annotations
