@@ -27,7 +27,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from oasiskv_runtime.vllm.requests import CONNECTOR_MODULE, CONNECTOR_NAME, RequestTracker, StepEvents
+from oasiskv_runtime.vllm.requests import CONNECTOR_MODULE, RequestTracker, StepEvents
 
 assert CONNECTOR_MODULE == __name__
 

@@ -45,7 +45,7 @@ class StepEvents:
     short_prefills: int = 0
     """Requests in prefill this step with at most two query rows (they sort among the decodes)."""
 
-    def merge(self, later: "StepEvents") -> "StepEvents":
+    def merge(self, later: StepEvents) -> StepEvents:
         """This step's events followed by a later step's (frees and starts accumulate; the fill and the short
         prefills are the later step's: a step without a forward fills nothing)."""
         return StepEvents(start=self.start + later.start, free=self.free + later.free, fill=list(later.fill),
