@@ -89,7 +89,10 @@ class OasisKVConnector(KVConnectorBase_V1):
 
 
 def connector_events() -> tuple[bool, StepEvents | None]:
-    """In a worker: (whether an OasisKV connector runs in this process, the events bound since the last call)."""
+    """In a worker: (whether an OasisKV connector runs in this process, the events bound since the last call).
+
+    Events are handed out only while the step's metadata is bound (a scheduled step's forward); a forward outside
+    that window (warm-up, profiling, a data-parallel padding run) gets None and leaves them queued."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
@@ -97,4 +100,6 @@ def connector_events() -> tuple[bool, StepEvents | None]:
     group = get_kv_transfer_group()
     if not isinstance(group, OasisKVConnector):
         return False, None
+    if not group.has_connector_metadata():
+        return True, None
     return True, group.take_events()
