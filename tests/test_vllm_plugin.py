@@ -415,6 +415,39 @@ def test_host_pool_modes_refuse_configs_vllm_would_run_wrongly():
     check_host_pool_config(VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(enable_prefix_caching=False)))
 
 
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_connector_queues_events_until_a_scheduled_forward(monkeypatch):
+    """Worker side: events bound for steps without a forward accumulate; they are handed out only while a step's
+    metadata is bound (not to a warm-up forward), once. Scheduler side: vLLM's objects reach the tracker."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from oasiskv_runtime.vllm import connector as conn
+    from oasiskv_runtime.vllm import engine_args
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    cfg = VllmConfig(kv_transfer_config=KVTransferConfig(**engine_args(mode="oasiskv",
+                                                                       platform="cpu")["kv_transfer_config"]))
+    sched = conn.OasisKVConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert sched.get_num_new_matched_tokens(NS(), 0) == (0, False)
+    sched.update_state_after_alloc(NS(request_id="a", num_tokens=20), NS(get_block_ids=lambda: ([6, 7],)), 0)
+    meta = sched.build_connector_meta(_sched(new=[("a", 20, 6, 0, 20)]))
+    assert meta.events.start == [("a", 6)] and meta.events.fill == ["a"]
+    worker = conn.OasisKVConnector(cfg, KVConnectorRole.WORKER, None)
+    monkeypatch.setattr("vllm.distributed.kv_transfer.has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr("vllm.distributed.kv_transfer.get_kv_transfer_group", lambda: worker)
+    worker.bind_connector_metadata(conn.OasisKVConnectorMetadata(StepEvents(start=[("x", 1)], fill=["x"])))
+    worker.clear_connector_metadata()  # a step without a forward
+    assert conn.connector_events() == (True, None)  # a warm-up forward: nothing bound, nothing taken
+    worker.bind_connector_metadata(conn.OasisKVConnectorMetadata(StepEvents(free=["x"], short_prefills=2)))
+    has, ev = conn.connector_events()
+    assert has and ev.start == [("x", 1)] and ev.free == ["x"] and ev.fill == [] and ev.short_prefills == 2
+    assert conn.connector_events() == (True, None)
+
+
 @pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
