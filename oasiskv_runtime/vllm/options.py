@@ -20,8 +20,8 @@ CONFIG_KEY = "oasiskv"
 VLLM_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISKV)
 """Modes the vLLM front end accepts (``fetch-on-demand`` is an embedded-engine baseline only)."""
 
-IMPLEMENTED_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT)
-"""Modes that run on vLLM today; the host-pool modes need the KV connector (not written yet)."""
+IMPLEMENTED_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISKV)
+"""Modes that run on vLLM (all of ``VLLM_MODES``)."""
 
 _SPECS = EngineConfig.options()
 
@@ -43,6 +43,8 @@ class VllmOptions:
     """Also vLLM's KV block size (``engine_args`` sets it): vLLM's kernels take multiples of 16."""
     sink_blocks: int = _default("sink_blocks")
     backend: str = _default("backend")
+    measure_recall: bool = _default("measure_recall")
+    """Host-pool modes: recall of each layer's prediction against the true next query's top-K (host round trips)."""
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)

@@ -1,0 +1,369 @@
+"""The host-pool modes on vLLM (proxy-prefetch, oasiskv): one OasisKV core per worker process, shared by the layers.
+
+vLLM makes one attention implementation per layer; the mechanism is multi-layer (one per-head map, one prediction
+and transfer pipeline with per-layer events, one set of copy counters). :func:`runtime_for` gives every layer of an
+engine the same :class:`HostPoolRuntime`, created on the first real step (when the KV cache's block count is
+known); a layer's index is parsed from its name (``model.layers.7.self_attn.attn`` -> 7).
+
+Where things live:
+
+* **full KV, pinned host memory**: a ``transfer.host_pool.HostKVPool`` with vLLM's block count, indexed by vLLM's
+  physical block id, so the core's ``primary_table`` is vLLM's block table and a token's pool row is its
+  ``slot_mapping`` entry. Written at every layer with the step's new K/V rows (``HostKVPool.write_rows``).
+* **key summaries, on the device**: per physical block (``[num_blocks, 1, Hkv, D]``), rebuilt each step for the
+  blocks it wrote into from vLLM's paged cache, as in sparse-resident (exact under rejected drafts).
+* **working sets, on the device**: ``LOCAL_SLOTS + K`` blocks per state row in a ``PagedKVCache`` of our own
+  (``vllm/batch.py``: two local slots for the active block, the K selection slots of the ``HeadMap``).
+* **state rows**: a ``HeadMap`` row per running request, keyed by vLLM's request id (start / free / fill events from
+  the KV connector, ``vllm/requests.py``), and found in the batch by the request's first physical block (a device
+  table ``row_of_block``: no host round trip).
+
+Per step and layer (``OasisKVImplMixin.forward``): pool write; ``pipeline.wait(layer)``; the step's token and draft
+rows into the local slots; summaries; vLLM's own attention for prefill rows; ONE sparse attention call over the
+working set for each decode request's ``[token, draft]``; ``pipeline.prefetch`` from the draft row's query
+(oasiskv) or the token's (proxy-prefetch), at most ``fetch_cap`` admissions per request and KV head; for requests
+whose prefill completes, ``pipeline.fill`` and their prompt tail into the local slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from oasiskv_runtime.config import DebugConfig, KernelConfig, Mode, SparseConfig
+from oasiskv_runtime.core.batch import SummaryWrites
+from oasiskv_runtime.core.head_map import HeadMap
+from oasiskv_runtime.core.pipeline import LookaheadPipeline
+from oasiskv_runtime.core.predictor import Predictor
+from oasiskv_runtime.core.stats import SparseStats
+from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.ops.common import host_list_to
+from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
+from oasiskv_runtime.transfer.engine import TransferEngine
+from oasiskv_runtime.transfer.host_pool import HostKVPool
+from oasiskv_runtime.transfer.paged_kv import PagedKVCache
+from oasiskv_runtime.vllm.batch import (LOCAL_SLOTS, FillBatch, HostPoolBatch, StepPlan, fill_batch,
+                                        host_pool_batch)
+from oasiskv_runtime.vllm.options import VllmOptions
+from oasiskv_runtime.vllm.requests import StepEvents
+
+_LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM attention layer's name (exactly one integer component)."""
+    found = _LAYER_INDEX.findall("." + layer_name)
+    if len(found) != 1:
+        raise ValueError(f"OasisKV cannot tell the layer index of attention layer {layer_name!r}")
+    return int(found[0])
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one step's layers share (made by the first layer of the step)."""
+
+    plan: StepPlan
+    real: bool
+    """The step came with connector events (a scheduled step), not a warm-up or profiling forward."""
+    decode: HostPoolBatch | None = None
+    fill: FillBatch | None = None
+    fallback: bool = False
+    """Some decode-shaped rows may lack a working set: also attend vLLM's cache for them (chosen per row)."""
+    slot_mapping: torch.Tensor | None = None
+    num_tokens: int = 0
+    ended: bool = False
+
+
+class HostPoolRuntime:
+    """The OasisKV core of one vLLM worker in a host-pool mode (all layers)."""
+
+    def __init__(self, opts: VllmOptions, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device, max_rows: int) -> None:
+        self.opts, self.mode = opts, opts.parsed_mode
+        if not self.mode.uses_host_pool:
+            raise ValueError(f"mode {self.mode.value} keeps no host pool")
+        bs, k = opts.block_size, opts.top_k_blocks
+        self.num_layers, self.block_size, self.k_slots = num_layers, bs, k
+        self.device, self.num_blocks = device, num_blocks
+        backend = opts.backend
+        host = PagedKVCache(num_layers, num_blocks, bs, num_kv_heads, head_dim, dtype, "cpu",
+                            pin_memory=device.type == "cuda", zero=False)
+        self.pool = HostKVPool(host)
+        self.scratch_row = max_rows
+        """A row no request owns: decode-shaped rows whose request has no state row (never, with the connector's
+        events) point there rather than at another request's row."""
+        self.ws = PagedKVCache(num_layers, (max_rows + 1) * (k + LOCAL_SLOTS), bs, num_kv_heads, head_dim, dtype,
+                               device)
+        mk = lambda: torch.zeros((num_blocks, 1, num_kv_heads, head_dim), dtype=dtype, device=device)  # noqa: E731
+        summaries = KeySummaries([mk() for _ in range(num_layers)], [mk() for _ in range(num_layers)], backend)
+        self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
+        self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device)
+        self.head_map.free_rows.remove(self.scratch_row)
+        self.predictor = Predictor(summaries, num_kv_heads, k, opts.sink_blocks, backend)
+        background = device.type == "cuda" and backend == "auto"
+        self.transfer = TransferEngine(self.pool, self.ws, num_layers, max_rows + 1, device, backend, background)
+        self.kernels = KernelConfig(backend=backend)
+        self.pipeline = LookaheadPipeline(self.head_map, self.predictor, self.transfer, self.stats, self.kernels,
+                                          DebugConfig(measure_recall=opts.measure_recall))
+        self.cap = SparseConfig(top_k_blocks=k, fetch_ratio=opts.fetch_ratio).fetch_cap
+        """Admissions per (request, KV head) and layer per step."""
+        self.row_of_block = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        """Physical block -> state row of the running request whose first block it is (-1: none)."""
+        self.ready = torch.zeros(max_rows + 1, dtype=torch.bool, device=device)
+        """Per state row: the request's working set is filled (its decode steps attend it)."""
+        self.bound = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        """Per state row: the candidate count its last prediction ranked (see ``HostPoolBatch.gap_block``)."""
+        self.first: dict[str, int] = {}
+        """Running request id -> its first physical block."""
+        self.step_no = 0
+        self.cur: _Step | None = None
+        self._pending_ready: torch.Tensor | None = None
+        self.counts = {"steps": 0, "decode_request_steps": 0, "fills": 0, "fallback_steps": 0, "gap_rows": None,
+                       "step_cap_blocks": 0}
+        self._cap_excess = torch.zeros((), dtype=torch.long, device=device)
+        """Most blocks one step fetched beyond its cap (0 when every step stayed within it)."""
+        self._fetched_before = torch.zeros((), dtype=torch.long, device=device)
+
+    # ---- options changed on a running engine (A/B runs: llm.apply_model(configure)) -----------------------------
+    def configure(self, mode: str | None = None, fetch_ratio: float | None = None,
+                  measure_recall: bool | None = None) -> None:
+        if mode is not None:
+            m = Mode.parse(mode)
+            if m not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
+                raise ValueError(f"a running host-pool engine switches between proxy-prefetch and oasiskv, not {mode}")
+            self.mode = m
+        if fetch_ratio is not None:
+            self.cap = SparseConfig(top_k_blocks=self.k_slots, fetch_ratio=fetch_ratio).fetch_cap
+        if measure_recall is not None:
+            self.pipeline.debug = DebugConfig(measure_recall=measure_recall)
+            self.pipeline.forget_recall()
+
+    # ---- request lifecycle ----------------------------------------------------------------------------------
+    def _free(self, req_id: str) -> None:
+        first = self.first.pop(req_id, None)
+        row = self.head_map.rows.get(req_id)
+        if row is not None:
+            self.transfer.settle(self.kernels.pipeline_priority)  # its copies are counted on the background streams
+            self.stats.add_request_fetched(req_id, self.transfer.counters.take_request(row))
+            self.head_map.free(req_id)
+            self.ready[row] = False
+        if first is not None and row is not None:
+            # only if the block still points at this row (it may already be another request's first block)
+            cur = self.row_of_block[first]
+            self.row_of_block[first] = torch.where(cur == row, torch.full_like(cur, -1), cur)
+
+    def apply(self, events: StepEvents) -> None:
+        """A step's request events: frees, then starts (fills are read by :meth:`begin_step`)."""
+        for req_id in events.free:
+            self._free(req_id)
+        for req_id, first in events.start:
+            if req_id in self.first:
+                self._free(req_id)
+            row = self.head_map.row(req_id)
+            self.first[req_id] = first
+            self.row_of_block[first] = row
+            self.ready[row] = False
+
+    # ---- per step ---------------------------------------------------------------------------------------------
+    def begin_step(self, plan: StepPlan, events: StepEvents | None, common: dict) -> _Step:
+        """The first layer of a step: apply the connector's events, map the decode rows to state rows, plan the
+        working-set fills. ``common``: the builder's step tensors (query_start_loc, seq_lens, block_table,
+        slot_mapping, num_tokens, max_seq_len)."""
+        if self.cur is not None and not self.cur.ended:
+            self._end_step()
+        if self.transfer.background:
+            # Last step's batch tensors are freed once this step's replace them, and their memory reused on this
+            # stream: order it after every background job that read them (a GPU-side wait, not a host sync), as the
+            # embedded engine does.
+            self.transfer.wait_all()
+        if self._pending_ready is not None:  # last step's fills: those requests decode over their working sets now
+            self.ready.index_fill_(0, self._pending_ready, True)
+            self._pending_ready = None
+        st = _Step(plan=plan, real=events is not None, slot_mapping=common["slot_mapping"],
+                   num_tokens=common["num_tokens"])
+        self.cur = st
+        if events is None:  # a warm-up / profiling forward: vLLM's cache serves the decode rows, nothing is kept
+            st.fallback = True
+            return st
+        self.step_no += 1
+        self.counts["steps"] += 1
+        self.apply(events)
+        b = plan.batch
+        if b is not None:
+            rows = self.row_of_block[b.primary_table[:, 0]]
+            rows = torch.where(rows >= 0, rows, torch.full_like(rows, self.scratch_row))
+            ready = self.ready[rows]
+            st.decode = host_pool_batch(b, rows, ready, self.bound[rows], self.k_slots, self.block_size,
+                                        self.step_no)
+            self.bound[rows] = torch.where(ready, st.decode.next_bound, self.bound[rows])
+            st.fallback = events.short_prefills > 0
+            if self.opts.measure_recall:  # recall matches rows across steps by request: the first blocks identify them
+                st.decode.batch.seq_ids = [int(x) for x in b.primary_table[:, 0].tolist()]
+            n = len(b.seq_ids)
+            self.stats.begin_step(n)
+            self.counts["decode_request_steps"] += n
+            self.counts["step_cap_blocks"] = max(self.counts["step_cap_blocks"],
+                                                 n * self.head_map.slot_map.shape[2] * self.num_layers * self.cap)
+            gaps = (st.decode.gap_block >= 0).sum()
+            self.counts["gap_rows"] = gaps if self.counts["gap_rows"] is None else self.counts["gap_rows"] + gaps
+        fills = [r for r in events.fill if r in self.first]
+        if fills:
+            long = lambda xs: host_list_to(xs, torch.long, self.device)  # noqa: E731
+            rows = long([self.head_map.rows[r] for r in fills])
+            st.fill = fill_batch(common["query_start_loc"], common["seq_lens"], common["block_table"],
+                                 long([self.first[r] for r in fills]), rows, self.k_slots, self.block_size,
+                                 common["max_seq_len"], self.step_no, fills)
+            self.bound[rows] = st.fill.batch.next_candidates
+            self.counts["fills"] += len(fills)
+        if st.fallback:
+            self.counts["fallback_steps"] += 1
+        return st
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
+        """Before the layer's attention: the step's K/V rows into the pool (at vLLM's slots = pool rows), the wait
+        for this layer's copies of the last step, the decode rows into their local slots, the touched blocks'
+        summaries."""
+        st = self.cur
+        if st.real:
+            n = st.num_tokens
+            self.pool.write_rows(layer, key[:n], value[:n], st.slot_mapping[:n])
+            self.pipeline.wait(layer)  # layer-local sync: this layer's copies issued during the last step
+            d = st.decode
+            if d is not None:
+                src = d.local_src
+                self.ws.write(layer, d.local_dst, key[src], value[src])
+        runs = st.plan.runs
+        if runs is not None:
+            rows = k_cache.index_select(0, runs.blocks).flatten(0, 1)
+            self.predictor.summaries.update(layer, rows, SummaryWrites(runs=(runs.pad_idx, runs.blocks, runs.reset)))
+
+    def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, output: torch.Tensor) -> None:
+        """Each decode request's ``[token, draft]`` over its working set in one call (rows without a working set:
+        over vLLM's cache, when the step may have such rows)."""
+        st = self.cur
+        b = st.plan.batch
+        n = b.q_rows.numel()
+        qd = b.qd_rows()
+        qs = query[qd].view(n, 2, *query.shape[1:])
+        res = None
+        d = st.decode
+        if d is not None:
+            core = d.batch
+            if self.pipeline.debug.measure_recall:
+                self.pipeline.record_recall(layer, core, qs[:, 0])
+            ids = self.head_map.block_ids(layer, core)                                   # [B, Hkv, K]
+            gap = d.gap_block[:, None, None].expand(-1, ids.shape[1], 1)
+            ids = torch.cat([ids, gap.to(ids.dtype)], dim=2)
+            res = sparse_decode_attention(qs, self.ws.k[layer], self.ws.v[layer], ids.int(),
+                                          core.derived("local_block_i32", lambda: core.local_block.int()),
+                                          core.derived("local_len_i32", lambda: core.local_len.int()), scale,
+                                          key[b.draft_rows], value[b.draft_rows], backend=self.opts.backend)
+        if st.fallback:
+            dense = self._resident(qs, b, key, value, k_cache, v_cache, scale)
+            res = dense if d is None else torch.where(d.ready[:, None, None, None], res, dense)
+        output[b.q_rows] = res[:, 0].to(output.dtype)
+        output[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0]).to(output.dtype)
+
+    def _resident(self, qs, b, key, value, k_cache, v_cache, scale) -> torch.Tensor:
+        """Attention of rows without a working set over every full block of their context in vLLM's cache."""
+        width = max(1, b.max_candidates)
+        j = torch.arange(width, device=b.primary_table.device)
+        table = b.primary_table[:, :width]
+        if table.shape[1] < width:
+            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+        ids = torch.where(j[None, :] < b.num_candidates.long()[:, None], table, torch.full_like(table, -1))
+        ids = ids[:, None, :].expand(-1, k_cache.shape[2], -1)
+        return sparse_decode_attention(qs, k_cache, v_cache, ids.int(), b.local_block.int(), b.local_len.int(), scale,
+                                       key[b.draft_rows], value[b.draft_rows], backend=self.opts.backend)
+
+    def after_attention(self, layer: int, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """After the layer's attention: the next step's prefetch, the fills, and at the last layer the step's end."""
+        st = self.cur
+        if not st.real:
+            return
+        d = st.decode
+        if d is not None:
+            core = d.batch
+            rows = core.pred_rows() if self.mode is Mode.OASISKV else core.q_rows
+            self.pipeline.prefetch(layer, core, query[rows], self.cap)
+        f = st.fill
+        if f is not None:
+            self.pipeline.fill(layer, f.batch, query[f.batch.q_rows])
+            self.ws.k[layer].index_copy_(0, f.tail_dst, k_cache.index_select(0, f.tail_src).to(self.ws.k[layer].dtype))
+            self.ws.v[layer].index_copy_(0, f.tail_dst, v_cache.index_select(0, f.tail_src).to(self.ws.v[layer].dtype))
+        if layer == self.num_layers - 1:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        st = self.cur
+        st.ended = True
+        if not st.real:
+            return
+        if st.fill is not None:
+            self._pending_ready = st.fill.batch.state_rows
+        prio = self.kernels.pipeline_priority
+        self.transfer.end_step(prio)
+        if st.decode is not None:  # this step's copies against its cap, counted where end_step counts (no sync)
+            cap = len(st.decode.batch.seq_ids) * self.head_map.slot_map.shape[2] * self.num_layers * self.cap
+            with self.transfer.on(self.transfer.streams(prio)[2] if self.transfer.background else None):
+                total = self.transfer.counters.fetched.sum()
+                torch.maximum(self._cap_excess, total - self._fetched_before - cap, out=self._cap_excess)
+                self._fetched_before.copy_(total)
+
+    # ---- reporting ----------------------------------------------------------------------------------------------
+    def run_stats(self) -> dict:
+        """The embedded engine's traffic and recall figures (``SparseStats.run_stats``) and this front end's counts
+        (a host sync)."""
+        self.transfer.settle(self.kernels.pipeline_priority)
+        out = self.stats.run_stats(self.transfer.counters.totals())
+        c = self.counts
+        unit = self.stats.bytes_per_head_block
+        out.update(mode=self.mode.value, fetch_cap=self.cap, steps=c["steps"],
+                   decode_request_steps=c["decode_request_steps"], fills=c["fills"],
+                   fallback_steps=c["fallback_steps"],
+                   gap_rows=int(c["gap_rows"]) if c["gap_rows"] is not None else 0,
+                   max_step_cap_bytes=c["step_cap_blocks"] * unit,
+                   max_step_bytes_over_cap=int(self._cap_excess) * unit,
+                   running_requests=len(self.first))
+        return out
+
+    def reset_counters(self) -> None:
+        self.transfer.settle(self.kernels.pipeline_priority)
+        self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
+        self.pipeline.stats = self.stats
+        self.pipeline.forget_recall()
+        self.transfer.counters.reset()
+        self._cap_excess.zero_()
+        self._fetched_before.zero_()
+        self.counts.update(steps=0, decode_request_steps=0, fills=0, fallback_steps=0, gap_rows=None,
+                           step_cap_blocks=0)
+
+
+_RUNTIMES: dict[int, tuple[Any, HostPoolRuntime]] = {}
+"""Per engine config (by id; the config is kept alive beside its runtime): the process's runtime."""
+
+
+def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtype: torch.dtype
+                ) -> HostPoolRuntime:
+    """The shared runtime of the engine whose config is ``vllm_config`` (created on the first call, from a layer's
+    K cache view ``[num_blocks, block_size, Hkv, D]``)."""
+    entry = _RUNTIMES.get(id(vllm_config))
+    if entry is not None and entry[0] is vllm_config:
+        rt = entry[1]
+        if rt.num_blocks != k_cache.shape[0]:
+            raise RuntimeError(f"OasisKV: vLLM's KV cache changed from {rt.num_blocks} to {k_cache.shape[0]} blocks")
+        return rt
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if pp != 1:
+        raise NotImplementedError("OasisKV's host-pool modes on vLLM run without pipeline parallelism")
+    num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    nb, _, hkv, d = k_cache.shape
+    rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device,
+                         vllm_config.scheduler_config.max_num_seqs)
+    _RUNTIMES.clear()  # one engine per process at a time (in-process test engines come one after another)
+    _RUNTIMES[id(vllm_config)] = (vllm_config, rt)
+    return rt
