@@ -77,6 +77,13 @@ def one_mode(a: argparse.Namespace) -> dict:
                               "decode_step_ms": step_ms,
                               "tokens": [list(r.outputs[0].token_ids) for r in res]})
         print(json.dumps({k: v for k, v in out["points"][-1].items() if k != "tokens"}), flush=True)
+    if a.mode != "plain":  # the plug-in's own counters (traffic, fills, rows served sparse), summed over layers
+        try:
+            from oasiskv_runtime.vllm.backend import collect_stats
+
+            out["plugin_stats"] = json.loads(json.dumps(llm.apply_model(collect_stats)[0], default=str))
+        except Exception as e:  # noqa: BLE001 - a report without them is still a report
+            out["plugin_stats"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
@@ -122,8 +129,9 @@ def main() -> None:
                      output_len=a.output_len, top_k=a.top_k, kv_gb=a.kv_gb, batched_tokens=a.batched_tokens,
                      device=a.device, dtype=a.dtype)
         try:
+            env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function
             p = subprocess.run([sys.executable, __file__, "--one", json.dumps(child)], capture_output=True, text=True,
-                               timeout=a.timeout, env=os.environ.copy())
+                               timeout=a.timeout, env=env)
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             results["modes"][mode] = (json.loads(lines[-1][7:]) if lines else
                                       {"error": f"exit {p.returncode}: {p.stderr[-3000:]}"})
