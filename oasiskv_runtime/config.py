@@ -11,7 +11,6 @@ top_k_blocks=64)`` or CLI flags) to the section that owns each; ``to_dict`` / ``
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable

@@ -102,6 +102,31 @@ class LookaheadPipeline:
         self.map.clear(layer, batch.state_rows)
         self.fetch(layer, batch, pred, self.map.k_slots, initial=True)
 
+    # ---- requests and reports -------------------------------------------------------------------------------
+    def release(self, seq_id) -> int | None:
+        """A request leaves: its copies are counted (once the background counting is done), its map row freed.
+        Returns the row it held (None: it had none)."""
+        row = self.map.rows.get(seq_id)
+        if row is not None:
+            self.transfer.settle(self.kernels.pipeline_priority)
+            self.stats.add_request_fetched(seq_id, self.transfer.counters.take_request(row))
+        self.map.free(seq_id)
+        if self.remote is not None:
+            self.remote.forget(seq_id)
+        return row
+
+    def reset_counters(self) -> None:
+        """Zero the copy and recall counters (benchmarks measure a window of steps)."""
+        self.transfer.settle(self.kernels.pipeline_priority)  # the background counting is done
+        self.stats.reset()
+        self.forget_recall()
+        self.transfer.counters.reset()
+
+    def run_stats(self) -> dict:
+        """Traffic and recall figures for reports (a host sync)."""
+        self.transfer.settle(self.kernels.pipeline_priority)
+        return self.stats.run_stats(self.transfer.counters.totals())
+
     # ---- prefill-decode hand-off ----------------------------------------------------------------------------
     def export(self, seq_id: int, summary_rows: torch.Tensor, step: int) -> dict:
         """What a peer needs to continue a request exactly as this side would: the key summaries of its blocks

@@ -20,6 +20,10 @@ class SparseStats:
         self.recall_total = [0] * num_layers
         self.per_request: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
+    def reset(self) -> None:
+        """Zero every count (benchmarks measure a window of steps)."""
+        self.__init__(self.num_layers, self.bytes_per_head_block)
+
     def begin_step(self, num_decode: int) -> None:
         if num_decode:
             self.decode_steps += 1

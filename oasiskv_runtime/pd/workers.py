@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from oasiskv_runtime.config import PD_TRANSFERS, EngineConfig, Mode
+from oasiskv_runtime.config import EngineConfig, Mode
 from oasiskv_runtime.engine.kv_cache_manager import cdiv
 from oasiskv_runtime.engine.llm_engine import LLMEngine
 from oasiskv_runtime.engine.sequence import Sequence
@@ -35,7 +35,6 @@ from oasiskv_runtime.pd.remote import RemoteKV, block_ops
 from oasiskv_runtime.sampling_params import SamplingParams
 from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 
-TRANSFERS = PD_TRANSFERS
 TOKEN_STATE_DRAFTS = ("ngram", "oracle")
 
 

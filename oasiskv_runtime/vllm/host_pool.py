@@ -144,11 +144,8 @@ class HostPoolRuntime:
     # ---- request lifecycle ----------------------------------------------------------------------------------
     def _free(self, req_id: str) -> None:
         first = self.first.pop(req_id, None)
-        row = self.head_map.rows.get(req_id)
+        row = self.pipeline.release(req_id)  # its copies counted, its map row freed
         if row is not None:
-            self.transfer.settle(self.kernels.pipeline_priority)  # its copies are counted on the background streams
-            self.stats.add_request_fetched(req_id, self.transfer.counters.take_request(row))
-            self.head_map.free(req_id)
             self.ready[row] = False
         if first is not None and row is not None:
             # only if the block still points at this row (it may already be another request's first block)
@@ -318,8 +315,7 @@ class HostPoolRuntime:
     def run_stats(self) -> dict:
         """The embedded engine's traffic and recall figures (``SparseStats.run_stats``) and this front end's counts
         (a host sync)."""
-        self.transfer.settle(self.kernels.pipeline_priority)
-        out = self.stats.run_stats(self.transfer.counters.totals())
+        out = self.pipeline.run_stats()
         c = self.counts
         unit = self.stats.bytes_per_head_block
         out.update(mode=self.mode.value, fetch_cap=self.cap, steps=c["steps"],
@@ -332,11 +328,7 @@ class HostPoolRuntime:
         return out
 
     def reset_counters(self) -> None:
-        self.transfer.settle(self.kernels.pipeline_priority)
-        self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
-        self.pipeline.stats = self.stats
-        self.pipeline.forget_recall()
-        self.transfer.counters.reset()
+        self.pipeline.reset_counters()
         self._cap_excess.zero_()
         self._fetched_before.zero_()
         self.counts.update(steps=0, decode_request_steps=0, fills=0, fallback_steps=0, gap_rows=None,

@@ -91,12 +91,10 @@ class OasisKVAttention:
 
     # ---- request lifecycle ------------------------------------------------------------------------------------
     def free_request(self, seq_id: int) -> None:
-        row = self.head_map.free(seq_id)
         if self.pipeline is not None:
-            if row is not None:
-                self.stats.add_request_fetched(seq_id, self.pipeline.transfer.counters.take_request(row))
-            if self.pipeline.remote is not None:
-                self.pipeline.remote.forget(seq_id)
+            self.pipeline.release(seq_id)
+        else:
+            self.head_map.free(seq_id)
 
     # ---- prefill-decode hand-off ------------------------------------------------------------------------------
     def _hand_off_rows(self, op: str, blocks, context_len: int) -> torch.Tensor:
@@ -287,16 +285,14 @@ class OasisKVAttention:
     # ---- reporting ----------------------------------------------------------------------------------------------
     def reset_counters(self) -> None:
         """Zero the traffic and recall counters (benchmarks measure a window of steps)."""
-        self.stats = SparseStats(self.num_layers, self.stats.bytes_per_head_block)
         self.link_cap.reset_counts()
         if self.pipeline is not None:
-            self.pipeline.stats = self.stats
-            self.pipeline.forget_recall()
-            self.pipeline.transfer.settle(self.kernels.pipeline_priority)  # its counting is done
-            self.pipeline.transfer.counters.reset()
+            self.pipeline.reset_counters()
+        else:
+            self.stats.reset()
 
     def run_stats(self) -> dict:
-        out = self.stats.run_stats(self.pipeline.transfer.counters.totals() if self.pipeline is not None else None)
+        out = self.pipeline.run_stats() if self.pipeline is not None else self.stats.run_stats()
         if self.mode.prefetches:
             out["mean_fetch_cap"] = self.link_cap.mean_cap()
         return out
