@@ -1,26 +1,50 @@
 #!/usr/bin/env bash
-# One device call with vLLM 0.26 on the H200: install the offline bundle (../shared/vllm_gpu_bundle.sh; its parts
-# carried in earlier calls to /tmp/vst, the last one in .vbundle/), register the plug-in's entry point without
-# building the project (a dist-info beside the bundle), run the plug-in's GPU tests, then bench/vllm_decode.py.
-#   run(command="bash bench/h200_vllm.sh", carry=[".vbundle"])
-# BENCH_ARGS: bench/vllm_decode.py arguments (default below); BUDGET_S: seconds for the bench (default 480).
+# Device calls with vLLM 0.26 on the H200. The offline bundle (../shared/vllm_gpu_bundle.sh DIR MB) goes over one part
+# per call, calls back to back (a warm machine keeps /tmp): each part call runs
+#   mkdir -p /tmp/vst && cp .vbundle/part-* .vbundle/*.whl /tmp/vst/ 2>/dev/null; ls /tmp/vst
+# with carry=[".vbundle"] holding that call's part (and, for vLLM's n-gram drafter, numba 0.65 / llvmlite 0.47
+# wheels: `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`). This script then installs what
+# /tmp/vst holds (once per warm machine), registers the plug-in's entry point without building the project (a
+# dist-info beside the bundle) and runs the steps named in STEPS (default "tests bench"):
+#   tests     the plug-in's GPU tests (pytest -m gpu tests/test_vllm_plugin.py)
+#   profile   bench/vllm_decode.py --profile: host syncs and top ops of PROFILE_MODES at 16K x 16 (in-process engine)
+#   embedded  our engine's dense and oasiskv on the bench's prompts (the within-engine agreement bar)
+#   bench     bench/vllm_decode.py over BENCH_MODES (decode step and agreement beside plain vLLM)
+# Writes $OUT/<step>.log and <step>.json. BENCH_ARGS replaces the shared bench arguments.
 set -u
 OUT=${OUT:-/tmp/h200-vllm}
 mkdir -p "$OUT" /tmp/vst
 here=$(pwd)
-cp .vbundle/part-* /tmp/vst/ 2>/dev/null
-(cd /tmp/vst && cat part-* > b.tar && md5sum b.tar && tar -xf b.tar \
-  && python3 -m pip install -q --no-index --no-deps --target /tmp/site vllm-*.whl deps/*.whl) >"$OUT/install.log" 2>&1
-echo "install exit $?" | tee -a "$OUT/install.log"
+cp .vbundle/part-* .vbundle/*.whl /tmp/vst/ 2>/dev/null
+if [ ! -d /tmp/site/vllm ]; then
+  (cd /tmp/vst && cat part-* > b.tar && md5sum b.tar && tar -xf b.tar \
+    && python3 -m pip install -q --no-index --no-deps --target /tmp/site vllm-*.whl deps/*.whl $(ls *.whl 2>/dev/null)) \
+    >"$OUT/install.log" 2>&1
+  echo "install exit $?" | tee -a "$OUT/install.log"
+fi
 dist=/tmp/site/oasiskv_plugin-0.0.0.dist-info
 mkdir -p "$dist"
 printf 'Metadata-Version: 2.1\nName: oasiskv-plugin\nVersion: 0.0.0\n' >"$dist/METADATA"
 printf '[vllm.general_plugins]\noasiskv = oasiskv_runtime.vllm.plugin:register\n' >"$dist/entry_points.txt"
 export PYTHONPATH=/tmp/site:$here VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -1 | tee "$OUT/env.txt"
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_vllm_plugin.py >"$OUT/gpu-tests.log" 2>&1
-echo "pytest exit $?" | tee -a "$OUT/gpu-tests.log"; tail -4 "$OUT/gpu-tests.log"
-# shellcheck disable=SC2086
-timeout "${BUDGET_S:-480}" python3 bench/vllm_decode.py ${BENCH_ARGS:---model qwen3-8b --batch 16 --context 16384,32768 \
-  --output-len 64 --top-k 128 --kv-gb 80 --timeout 230} --out "$OUT/vllm-decode.json" >"$OUT/vllm-decode.log" 2>&1
-echo "bench exit $?" | tee -a "$OUT/vllm-decode.log"; tail -8 "$OUT/vllm-decode.log"
+python3 -c "import numba; print('numba', numba.__version__)" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
+git -C "$here" rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/env.txt"
+ARGS=${BENCH_ARGS:---model qwen3-8b --batch 16 --context 16384,32768 --output-len 64 --top-k 128 --kv-gb 74}
+decode() {  # $1 step name, $2 seconds, rest: bench/vllm_decode.py arguments
+  local name=$1 limit=$2; shift 2
+  # shellcheck disable=SC2086
+  timeout "$limit" python3 bench/vllm_decode.py $ARGS "$@" --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+  echo "$name exit $?" | tee -a "$OUT/$name.log"; grep -E "^[a-z-]+ \{\"context" "$OUT/$name.log" | cut -c1-400
+}
+for step in ${STEPS:-tests bench}; do
+  case $step in
+    tests) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_vllm_plugin.py >"$OUT/tests.log" 2>&1
+           echo "pytest exit $?" | tee -a "$OUT/tests.log"; tail -3 "$OUT/tests.log" ;;
+    profile) decode profile "${PROFILE_S:-300}" --modes "${PROFILE_MODES:-sparse-resident,oasiskv}" --context 16384 \
+               --profile --timeout 200 ;;
+    embedded) decode embedded "${EMBEDDED_S:-240}" --modes embedded-dense,embedded-oasiskv --timeout 200 ;;
+    bench) decode bench "${BENCH_S:-540}" --modes "${BENCH_MODES:-plain,sparse-resident,proxy-prefetch,oasiskv}" \
+             --timeout 200 ;;
+  esac
+done

@@ -7,7 +7,13 @@ mode are kept, and the report gives each plug-in mode's agreement with plain vLL
 length of the common prefix). Dummy weights at real shapes (RANDOM WEIGHTS: with near-uniform logits a bf16 rounding
 flips a greedy token easily, and everything after it differs).
 
+Modes: ``plain`` (vLLM without the plug-in), the plug-in's ``sparse-resident``, ``proxy-prefetch``, ``oasiskv``, and
+our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (its own random weights: its dense vs
+oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). ``--profile`` replaces the
+timing by a profile of each mode at the first context (host syncs of our code, top CUDA / CPU ops).
+
     python bench/vllm_decode.py --model qwen3-8b --batch 16 --context 16384,32768 --out vllm-decode.json
+    python bench/vllm_decode.py --modes sparse-resident,oasiskv --context 16384 --profile --out profile.json
     python bench/vllm_decode.py --model /path/to/hf_dir --modes plain,sparse-resident --device cpu --dtype float32 ...
 """
 
@@ -46,14 +52,120 @@ def model_dir(name: str, root: Path) -> Path:
     return d
 
 
-def one_mode(a: argparse.Namespace) -> dict:
-    """Run in the child: one engine, every context length, timed twice per context."""
+def prompts_for(ctx: int, a: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """The same seeded random prompts for every mode and engine."""
+    import torch
+
+    g = torch.Generator().manual_seed(ctx)
+    return [torch.randint(10, vocab - 10, (ctx - a.output_len,), generator=g).tolist() for _ in range(a.batch)]
+
+
+def timed_points(a: argparse.Namespace, vocab: int, generate) -> list[dict]:
+    """Per context: ``output_len`` tokens, 1 token, ``output_len`` tokens again (the first run warms the shapes up);
+    the decode step by difference. ``generate(prompts, n) -> token lists``."""
+    points = []
+    for ctx in a.context:
+        prompts = prompts_for(ctx, a, vocab)
+        timed = {}
+        for n in (a.output_len, 1, a.output_len):
+            t = time.perf_counter()
+            tokens = generate(prompts, n)
+            timed[n] = time.perf_counter() - t
+        step_ms = (timed[a.output_len] - timed[1]) * 1e3 / (a.output_len - 1)
+        points.append({"context": ctx, "batch": a.batch, "full_s": timed[a.output_len], "prefill_s": timed[1],
+                       "decode_step_ms": step_ms, "tokens": tokens})
+        print(json.dumps({k: v for k, v in points[-1].items() if k != "tokens"}), flush=True)
+    return points
+
+
+def embedded_mode(a: argparse.Namespace) -> dict:
+    """Our own engine (``embedded-dense`` / ``embedded-oasiskv``) on the same prompts: its dense vs oasiskv token
+    agreement is the bar the plug-in's agreement with plain vLLM is held to (its random weights are not vLLM's dummy
+    weights, so only agreements WITHIN one engine compare)."""
+    from oasiskv_runtime.llm import LLM
+    from oasiskv_runtime.sampling_params import SamplingParams
+
+    mode = a.mode.split("-", 1)[1]
+    extra = {} if mode == "dense" else {"top_k_blocks": a.top_k}
+    t0 = time.perf_counter()
+    llm = LLM(model=a.preset, device=a.device, dtype=a.dtype, mode=mode, max_num_seqs=a.batch,
+              kv_cache_gb=a.kv_gb, **extra)
+    out = {"mode": a.mode, "engine_start_s": time.perf_counter() - t0}
+    vocab = json.load(open(Path(a.model_dir) / "config.json"))["vocab_size"]
+
+    def generate(prompts, n):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return [list(r.token_ids) for r in llm.generate(prompts, params)]
+
+    out["points"] = timed_points(a, vocab, generate)
+    return out
+
+
+def profile_mode(llm, a: argparse.Namespace, vocab: int, prompts: list[list[int]]) -> dict:
+    """In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): where a decode step's time goes. One generate under
+    ``torch.cuda.set_sync_debug_mode('warn')`` (every host sync with the frames of ours that caused it), then one
+    under torch.profiler (top ops by self CUDA and self CPU time, counts of synchronising CUDA calls)."""
+    import traceback
+    import warnings
+
     import torch
     import vllm
 
-    from oasiskv_runtime.vllm import engine_args
+    params = lambda n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    llm.generate(prompts, params(a.profile_tokens), use_tqdm=False)  # warm
+    syncs: dict[str, int] = {}
+    orig = warnings.showwarning
 
-    extra = {} if a.mode == "plain" else engine_args(mode=a.mode, top_k_blocks=a.top_k, draft="none",
+    def record(message, category, filename, lineno, file=None, line=None):
+        ours = [f"{fr.filename.split('/')[-1]}:{fr.lineno} {fr.name}" for fr in traceback.extract_stack()
+                if "oasiskv_runtime" in fr.filename]
+        key = " <- ".join(reversed(ours[-4:])) or f"(vLLM) {filename.split('site/')[-1]}:{lineno}"
+        syncs[key] = syncs.get(key, 0) + 1
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            llm.generate(prompts, params(a.profile_tokens), use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = orig
+    from torch.profiler import ProfilerActivity, profile
+
+    t = time.perf_counter()
+    llm.generate(prompts, params(1), use_tqdm=False)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params(a.profile_tokens), use_tqdm=False)
+    tn = time.perf_counter() - t
+    ev = prof.key_averages()
+    fmt = lambda e, attr: {"name": e.key[:90], "calls": e.count, "self_ms": round(getattr(e, attr) / 1e3, 3)}  # noqa
+    cuda_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+    by_cuda = sorted(ev, key=lambda e: -getattr(e, cuda_attr))[:30]
+    by_cpu = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:30]
+    sync_calls = {e.key: e.count for e in ev if any(s in e.key for s in ("Synchronize", "cudaMemcpy ", "cudaMemcpy\0"))
+                  or e.key in ("cudaMemcpy", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")}
+    return {"context": len(prompts[0]) + a.output_len, "tokens": a.profile_tokens,
+            "step_ms_profiled": (tn - t1) * 1e3 / max(1, a.profile_tokens - 1),
+            "host_syncs_one_generate": dict(sorted(syncs.items(), key=lambda kv: -kv[1])),
+            "top_self_cuda": [fmt(e, cuda_attr) for e in by_cuda], "top_self_cpu": [fmt(e, "self_cpu_time_total")
+                                                                                    for e in by_cpu],
+            "sync_calls": sync_calls}
+
+
+def one_mode(a: argparse.Namespace) -> dict:
+    """Run in the child: one engine, every context length, timed twice per context."""
+    if a.mode.startswith("embedded-"):
+        return embedded_mode(a)
+    import torch
+    import vllm
+
+    from oasiskv_runtime.vllm import acceptance, engine_args, spec_decode_counts
+
+    extra = {} if a.mode == "plain" else engine_args(mode=a.mode, top_k_blocks=a.top_k, draft=a.draft,
                                                      platform="cuda" if a.device == "cuda" else "cpu")
     max_len = max(a.context) + 16
     t0 = time.perf_counter()
@@ -62,21 +174,21 @@ def one_mode(a: argparse.Namespace) -> dict:
                    max_num_batched_tokens=a.batched_tokens, **extra)
     out = {"mode": a.mode, "engine_start_s": time.perf_counter() - t0, "points": []}
     vocab = json.load(open(Path(a.model_dir) / "config.json"))["vocab_size"]
-    for ctx in a.context:
-        g = torch.Generator().manual_seed(ctx)
-        prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (ctx - a.output_len,), generator=g).tolist()}
-                   for _ in range(a.batch)]
-        timed = {}
-        for n in (a.output_len, 1, a.output_len):  # the first full run warms the shapes up
-            params = vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-            t = time.perf_counter()
-            res = llm.generate(prompts, params, use_tqdm=False)
-            timed[n] = time.perf_counter() - t
-        step_ms = (timed[a.output_len] - timed[1]) * 1e3 / (a.output_len - 1)
-        out["points"].append({"context": ctx, "batch": a.batch, "full_s": timed[a.output_len], "prefill_s": timed[1],
-                              "decode_step_ms": step_ms,
-                              "tokens": [list(r.outputs[0].token_ids) for r in res]})
-        print(json.dumps({k: v for k, v in out["points"][-1].items() if k != "tokens"}), flush=True)
+    if a.profile:
+        out["profile"] = profile_mode(llm, a, vocab, [{"prompt_token_ids": p}
+                                                      for p in prompts_for(a.context[0], a, vocab)])
+        return out
+    drafting = a.mode == "oasiskv" if a.draft == "auto" else a.draft != "none"
+    before = spec_decode_counts(llm) if drafting else None
+
+    def generate(prompts, n):
+        params = vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(r.outputs[0].token_ids) for r in res]
+
+    out["points"] = timed_points(a, vocab, generate)
+    if before is not None:
+        out["acceptance"] = acceptance(before, spec_decode_counts(llm))
     if a.mode != "plain":  # the plug-in's own counters (traffic, fills, rows served sparse), summed over layers
         try:
             from oasiskv_runtime.vllm.backend import collect_stats
@@ -112,6 +224,11 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--draft", default="auto", help="engine_args' draft for the plug-in modes (auto: ngram for "
+                    "oasiskv, none otherwise)")
+    ap.add_argument("--profile", action="store_true", help="instead of timing: per mode, one in-process engine, "
+                    "host syncs and a torch.profiler summary of a generate at the first context")
+    ap.add_argument("--profile-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
     ap.add_argument("--out", default="vllm-decode.json")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # the child: JSON args
@@ -127,9 +244,12 @@ def main() -> None:
     for mode in a.modes.split(","):
         child = dict(mode=mode, model_dir=mdir, batch=a.batch, context=[int(x) for x in a.context.split(",")],
                      output_len=a.output_len, top_k=a.top_k, kv_gb=a.kv_gb, batched_tokens=a.batched_tokens,
-                     device=a.device, dtype=a.dtype)
+                     device=a.device, dtype=a.dtype, draft=a.draft, profile=a.profile,
+                     profile_tokens=a.profile_tokens, preset=a.model)
         try:
             env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function
+            if a.profile:  # the engine core in this process: the profiler and the sync check see its steps
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             p = subprocess.run([sys.executable, __file__, "--one", json.dumps(child)], capture_output=True, text=True,
                                timeout=a.timeout, env=env)
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -139,13 +259,16 @@ def main() -> None:
             results["modes"][mode] = {"error": f"timed out after {a.timeout:.0f} s: {str(e.stderr)[-2000:]}"}
         print(mode, json.dumps({k: v for k, v in results["modes"][mode].items() if k != "points"})[:3000], flush=True)
         Path(a.out).write_text(json.dumps(results, indent=1))
-    plain = results["modes"].get("plain", {})
+    anchors = {"": results["modes"].get("plain", {}), "embedded-": results["modes"].get("embedded-dense", {})}
     for mode, r in results["modes"].items():
+        if mode in ("plain", "embedded-dense"):
+            continue
+        anchor = anchors["embedded-" if mode.startswith("embedded-") else ""]
         for i, pt in enumerate(r.get("points", [])):
-            ref = plain.get("points", [])[i] if i < len(plain.get("points", [])) else None
-            if ref is not None and mode != "plain":
-                pt["agreement_with_plain"] = agreement(ref["tokens"], pt["tokens"])
-                pt["step_vs_plain"] = pt["decode_step_ms"] / ref["decode_step_ms"]
+            ref = anchor.get("points", [])[i] if i < len(anchor.get("points", [])) else None
+            if ref is not None:
+                pt["agreement_with_dense"] = agreement(ref["tokens"], pt["tokens"])
+                pt["step_vs_dense"] = pt["decode_step_ms"] / ref["decode_step_ms"]
             summary = {k: v for k, v in pt.items() if k != "tokens"}
             print(mode, json.dumps(summary), flush=True)
     Path(a.out).write_text(json.dumps(results, indent=1))

@@ -345,12 +345,13 @@ class OasisKVImplMixin:
         self._count(b)
 
     def _count(self, b: DecodeBatch) -> None:
+        # decode_rows is known on the host; the others are summed on the device (torch.tensor(n, device=cuda) would
+        # be a blocking upload: a host sync in every layer)
         st = self.stats
         st["decode_steps"] += 1
-        rows = torch.tensor(b.q_rows.numel(), device=b.q_rows.device)
         drafts = b.has_draft.sum()
         sparse = (b.num_candidates > self.oasiskv.top_k_blocks).sum()
-        for name, v in (("decode_rows", rows), ("draft_rows", drafts), ("sparse_rows", sparse)):
+        for name, v in (("decode_rows", b.q_rows.numel()), ("draft_rows", drafts), ("sparse_rows", sparse)):
             st[name] = v if st[name] is None else st[name] + v
 
 
