@@ -221,6 +221,22 @@ def test_link_cap_is_part_of_the_graph_key(tiny, device):
         assert st_g["graph_replays"] > 0 and st_g["graphs_disabled"] is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.slow
+def test_exact_selection_takes_the_graph_path(tiny, device):
+    """``selection_score="attention"`` (sparse-resident's exact top-K) reads device tensors only, in shapes known on
+    the host, so its decode steps stay on the static layout and in CUDA graphs: a shrinking padded batch gives
+    eager's tokens, which differ from Quest's at this budget."""
+    graphs = "auto" if device == "cuda" else "static"
+    eager, _ = run(tiny, "sparse-resident", "off", device=device, selection_score="attention")
+    graphed, st = run(tiny, "sparse-resident", graphs, device=device, selection_score="attention")
+    quest, _ = run(tiny, "sparse-resident", "off", device=device)
+    assert graphed == eager != quest
+    assert st["graph_padding_rows"] > 0
+    if device == "cuda":
+        assert st["graph_replays"] > 0 and st["graphs_disabled"] is None
+
+
 def test_capture_remakes_the_per_step_rows(tiny):
     """A capture re-runs the step that just ran eagerly, with the same metadata. The index tensors every layer
     of a decode step reads (made once per step by the first layer) must then be made again inside the capture:
