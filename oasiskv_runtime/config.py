@@ -261,6 +261,10 @@ class SparseConfig:
                       lambda v: isinstance(v, str) and bool(v))
     sink_blocks: int = _opt(0, "Leading blocks every prediction keeps (attention sinks).",
                             "in [0, top_k_blocks)", lambda v: _int(v) and v >= 0)
+    recent_blocks: int = _opt(0, "The last N full blocks before the active block, which every prediction keeps (a "
+                              "recent window; counted in top_k_blocks, like sink_blocks).",
+                              "an integer >= 0 (sink_blocks + recent_blocks < top_k_blocks)",
+                              lambda v: _int(v) and v >= 0)
     selection_score: str = _opt(
         "quest", "What ranks the candidate blocks: quest (an upper bound of q.k from each block's key min/max) or "
         "attention (the step's true softmax attention mass on each block, summed over the GQA group: the exact top-K, "
@@ -279,6 +283,10 @@ class SparseConfig:
         _validate(self)
         if self.sink_blocks >= self.top_k_blocks:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
+        if self.sink_blocks + self.recent_blocks >= self.top_k_blocks:
+            raise ValueError(f"sink_blocks + recent_blocks must be < top_k_blocks (a prediction must choose at "
+                             f"least one block), got {self.sink_blocks} + {self.recent_blocks} with top_k_blocks "
+                             f"{self.top_k_blocks}")
 
     def check_mode(self, mode: Mode) -> None:
         """The options that apply to some modes only (checked by ``EngineConfig`` and on a running engine)."""
