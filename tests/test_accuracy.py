@@ -214,7 +214,7 @@ def test_sink_blocks_sweep_runs_one_engine_per_value_and_bad_sinks_fail_first(ti
     doc = json.loads((run_dir / "accuracy.json").read_text())
     assert {row["label"] for row in doc["rows"]} == {"dense", "oasiskv[sink_blocks=1]"}
     assert {row["setting"].get("sink_blocks") for row in doc["rows"]} == {None, 1}
-    assert json.loads((run_dir / "config.json").read_text())["sweep"] == ["sink_blocks", [1.0]]
+    assert json.loads((run_dir / "config.json").read_text())["sweep"] == ["sink_blocks", [1]]
     for bad in (["--sink-blocks", "8"], ["--sweep", "sink_blocks=0,9"], ["--sink-blocks", "-1"]):
         r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--top-k-blocks", "8",
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
@@ -255,6 +255,59 @@ def test_link_gbps_option_and_sweep_reach_the_engine(tiny, tmp_path):
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
         assert r.exit_code != 0 and "link" in r.output.replace("-", "_"), (bad, r.output)
         assert not (tmp_path / "bad").exists()
+
+
+def test_every_algorithm_option_and_block_size_can_be_swept(tiny, tmp_path):
+    """--sweep takes every option of the config's ``sparse`` section (a new one is sweepable once declared) and
+    block_size: each key's default, as the CLI's text, reaches the engine as the option's own type."""
+    from oasisbench.runners.accuracy import SWEEP_KEYS
+    from oasiskv_runtime.config import EngineConfig
+
+    opts = EngineConfig.options()
+    assert set(SWEEP_KEYS) == {n for n, s in opts.items() if s.section == "sparse"} | {"block_size"}
+    assert {"recent_blocks", "selection_score", "top_k_blocks", "sink_blocks"} <= set(SWEEP_KEYS)
+    for key in SWEEP_KEYS:
+        default = opts[key].default
+        cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("sparse-resident",), top_k_blocks=8,
+                             sweep=(key, (str(default),)), output_dir=tmp_path)
+        [(_, setting)] = cfg.settings()[1:]
+        assert setting == {key: default} and type(setting[key]) is type(default), key
+    cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("sparse-resident",), top_k_blocks=8,
+                         sweep=("recent_blocks", ("0", "2")), output_dir=tmp_path)
+    assert cfg.settings()[1:] == [("sparse-resident", {"recent_blocks": 0}), ("sparse-resident", {"recent_blocks": 2})]
+
+
+def test_sweep_refusals_name_the_key_before_any_engine_runs(tiny, tmp_path):
+    base = ["accuracy", "--task", "niah_passkey", "--model", tiny, "--top-k-blocks", "8", "-o", str(tmp_path / "bad")]
+    for extra, words in ((["--modes", "oasiskv", "--sweep", "selection_score=quest,attention"],
+                          ("oasiskv[selection_score=attention]", "needs mode sparse-resident")),
+                         (["--modes", "sparse-resident", "--sweep", "selection_score=exact"],
+                          ("selection_score must be quest or attention",)),
+                         (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=0,8"],
+                          ("recent_blocks must be < top_k_blocks",)),
+                         (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=1.5"], ("is not an integer",)),
+                         (["--modes", "proxy-prefetch", "--sweep", "recent=1"], ("recent_blocks", "selection_score"))):
+        r = runner.invoke(app, base + extra, env={"COLUMNS": "400"})
+        out = " ".join(r.output.split())
+        assert r.exit_code != 0 and all(w in out for w in words), (extra, r.output)
+        assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_selection_score_and_recent_blocks_sweeps_run(tiny, tmp_path):
+    """The study's sweeps (issue #34) through the CLI: one sparse-resident engine per value, labelled by it."""
+    for sweep, labels in (("selection_score=quest,attention", {"sparse-resident[selection_score=quest]",
+                                                               "sparse-resident[selection_score=attention]"}),
+                          ("recent_blocks=0,2", {"sparse-resident[recent_blocks=0]",
+                                                 "sparse-resident[recent_blocks=2]"})):
+        out = tmp_path / sweep.split("=")[0]
+        r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "sparse-resident",
+                                "--context-len", "400", "--depths", "50", "--limit", "1", "--max-gen-toks", "2",
+                                "--top-k-blocks", "8", "--sweep", sweep, "--kv-cache-gb", str(KV_GB), "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        [run_dir] = (out / "accuracy-niah_passkey").iterdir()
+        doc = json.loads((run_dir / "accuracy.json").read_text())
+        assert {row["label"] for row in doc["rows"]} == {"dense"} | labels
 
 
 def test_cli_top_k_covering_the_context_is_lowered_or_noted(tiny, tmp_path, monkeypatch):

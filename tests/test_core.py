@@ -10,7 +10,7 @@ from oasiskv_runtime.config import DebugConfig, KernelConfig
 from oasiskv_runtime.core.batch import DecodeBatch
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
-from oasiskv_runtime.core.predictor import Predictor
+from oasiskv_runtime.core.predictor import Predictor, keep_always
 from oasiskv_runtime.core.selector import select_head
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
@@ -96,3 +96,25 @@ def test_fill_admits_the_whole_prediction_and_counts_it_apart():
     assert c["initial_fill_blocks"] == K * HKV and c["fetched_by_layer"] == [0, 0]
     exported = head_map.export(42, step=8)
     assert exported["slot_map"].shape == (L, HKV, K) and exported["top_k_blocks"] == K
+
+
+def test_sinks_and_recent_blocks_are_always_in_the_top_k():
+    """The first ``sink_blocks`` and the last ``recent_blocks`` candidates of each request are in every head's top-K
+    even where Quest ranks them last; the rest of K is the best of the others. A request with fewer candidates than
+    the kept blocks keeps what it has, and a column beyond the candidates is never chosen."""
+    g = torch.Generator().manual_seed(11)
+    num_candidates = torch.tensor([13, 9, 2], dtype=torch.int32)
+    j = torch.arange(13)
+    scores = torch.randn(3, HKV, 13, generator=g).masked_fill((j >= num_candidates[:, None].long())[:, None],
+                                                              float("-inf"))
+    sinks, recent = 1, 2
+    for b, nc in enumerate(num_candidates.tolist()):
+        scores[b, :, [0, nc - 2, nc - 1]] = -50.0  # the worst finite scores
+    ids, _ = select_topk(keep_always(scores.clone(), num_candidates, sinks, recent), num_candidates, K)
+    for b, nc in enumerate(num_candidates.tolist()):
+        kept = {x for x in (0, nc - 2, nc - 1) if 0 <= x < nc}
+        for h in range(HKV):
+            others = sorted(set(range(nc)) - kept, key=lambda x: -float(scores[b, h, x]))
+            want = kept | set(others[:K - len(kept)])
+            assert {int(x) for x in ids[b, h] if x >= 0} == want, (b, h)
+    assert keep_always(scores, num_candidates, 0, 0) is scores  # nothing kept: the scores untouched

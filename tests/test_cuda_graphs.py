@@ -221,6 +221,24 @@ def test_link_cap_is_part_of_the_graph_key(tiny, device):
         assert st_g["graph_replays"] > 0 and st_g["graphs_disabled"] is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode,option", [("sparse-resident", {"selection_score": "attention"}),
+                                         ("oasiskv", {"recent_blocks": 1})], ids=["exact", "recent"])
+@pytest.mark.slow
+def test_selection_options_take_the_graph_path(tiny, device, mode, option):
+    """The exact top-K (``selection_score="attention"``) and the recent window read device tensors only, in shapes
+    known on the host, so their decode steps stay on the static layout and in CUDA graphs: a shrinking padded batch
+    gives eager's tokens, which differ from those without the option at this budget."""
+    graphs = "auto" if device == "cuda" else "static"
+    eager, _ = run(tiny, mode, "off", device=device, **option)
+    graphed, st = run(tiny, mode, graphs, device=device, **option)
+    without, _ = run(tiny, mode, "off", device=device)
+    assert graphed == eager != without
+    assert st["graph_padding_rows"] > 0
+    if device == "cuda":
+        assert st["graph_replays"] > 0 and st["graphs_disabled"] is None
+
+
 def test_capture_remakes_the_per_step_rows(tiny):
     """A capture re-runs the step that just ran eagerly, with the same metadata. The index tensors every layer
     of a decode step reads (made once per step by the first layer) must then be made again inside the capture:

@@ -20,10 +20,12 @@ def tiny(tmp_path_factory):
     return str(write_tiny(tmp_path_factory.mktemp("gpu"), "qwen3", head_dim=64, max_position_embeddings=4096))
 
 
+@pytest.mark.parametrize("block_size", [16, 8])  # 8: a block size issue #34's study may sweep
 @pytest.mark.parametrize("mode", ["sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"])
-def test_full_budget_matches_dense_on_cuda(tiny, mode):
+def test_full_budget_matches_dense_on_cuda(tiny, mode, block_size):
     dense = LLM(tiny, device="cuda", dtype="float32").generate(PROMPTS, GREEDY)
-    llm = LLM(tiny, device="cuda", dtype="float32", mode=mode, top_k_blocks=64, host_kv_bytes=HOST)
+    llm = LLM(tiny, device="cuda", dtype="float32", mode=mode, top_k_blocks=64, block_size=block_size,
+              host_kv_bytes=HOST)
     outs = llm.generate(PROMPTS, GREEDY)
     for o, d in zip(outs, dense):
         agree = sum(a == b for a, b in zip(o.token_ids, d.token_ids))

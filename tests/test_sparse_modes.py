@@ -190,5 +190,47 @@ def test_sink_blocks_always_resident(tiny):
     assert bool((smap == 0).any(-1).all())             # block 0 resident for every layer and head
     with pytest.raises(ValueError, match="sink_blocks"):
         LLM(tiny, mode="oasiskv", top_k_blocks=2, sink_blocks=2)
+    with pytest.raises(ValueError, match="sink_blocks \\+ recent_blocks must be < top_k_blocks"):
+        LLM(tiny, mode="oasiskv", top_k_blocks=3, sink_blocks=1, recent_blocks=2)
     with pytest.raises(ValueError, match="dense_layers"):
         LLM(tiny, mode="oasiskv", dense_layers=7)
+
+
+@pytest.mark.parametrize("mode", SPARSE)
+@pytest.mark.slow
+def test_sink_and_recent_blocks_are_always_selected(tiny, mode):
+    """Every prediction of every mode (the fill at the end of prefill included) holds the first block and the last
+    two full blocks before the active block of the step it is for, at every layer and KV head; the prefetching
+    modes also have them resident (cap = K, so nothing is deferred)."""
+    llm = LLM(tiny, mode=mode, top_k_blocks=4, block_size=4, sink_blocks=1, recent_blocks=2, fetch_ratio=1.0,
+              draft="ngram")
+    eng, predictions = llm.engine, []
+    predictor = eng.backend.predictor
+    real = predictor.predict
+
+    def spy(layer, query, batch, next_step, int32=False):
+        ids = real(layer, query, batch, next_step, int32)
+        predictions.append((ids, batch.next_candidates if next_step else batch.num_candidates))
+        return ids
+
+    predictor.predict = spy
+    seq = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+        if mode in ("proxy-prefetch", "oasiskv") and eng.has_unfinished():
+            nc = (seq.num_tokens - 1) // 4  # full blocks before the next step's active block
+            smap = eng.backend.head_map.slot_map[eng.backend.head_map.rows[seq.seq_id]]  # [layers, Hkv, K]
+            for block in (0, nc - 2, nc - 1):
+                assert bool((smap == block).any(-1).all()), block
+    assert len(predictions) >= 11 * 5
+    for ids, num_candidates in predictions:
+        for b, nc in enumerate(num_candidates.tolist()):
+            for block in (0, nc - 2, nc - 1):
+                assert bool((ids[b] == block).any(-1).all()), (block, ids[b])
+
+
+@pytest.mark.parametrize("mode", SPARSE)
+@pytest.mark.slow
+def test_recent_blocks_with_a_covering_budget_equal_dense(tiny, dense_tokens, mode):
+    llm = LLM(tiny, mode=mode, top_k_blocks=64, block_size=4, sink_blocks=1, recent_blocks=2, draft="ngram")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens

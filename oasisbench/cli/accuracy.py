@@ -33,17 +33,18 @@ def _split(text: str | None, cast: type, what: str) -> tuple:
         raise fail(f"{what}: expected a comma-separated list of {cast.__name__} values, got {text!r}") from None
 
 
-def _sweep(text: str | None) -> tuple[str, tuple[float, ...]] | None:
+def _sweep(text: str | None) -> tuple[str, tuple[str, ...]] | None:
+    """KEY=V1,V2,... as (key, the values' text): the runner turns them into the option's type."""
     if not text:
         return None
     key, sep, values = text.partition("=")
     if not sep:
         raise fail(f"--sweep: expected KEY=V1,V2,... (e.g. top_k_blocks=64,128,192), got {text!r}")
-    return key.strip().replace("-", "_"), _split(values, float, "--sweep")
+    return key.strip().replace("-", "_"), _split(values, str, "--sweep")
 
 
 def _top_k(top_k: int | None, tasks: tuple[str, ...], context_lens: tuple[int, ...],
-           sweep: tuple[str, tuple[float, ...]] | None, console: Console) -> int:
+           sweep: tuple[str, tuple[str, ...]] | None, console: Console) -> int:
     """--top-k-blocks, its default from the run's context lengths (NIAH's default length when none is given), and
     the note :func:`~oasisbench.cli.defaults.top_k_note` prints where an explicit K holds a whole context."""
     from oasisbench.accuracy import tasks as T
@@ -117,9 +118,11 @@ def accuracy_cmd(
     max_num_seqs: MaxSeqsOpt = engine_default("max_num_seqs"),
     max_gen_toks: Annotated[int | None, typer.Option("--max-gen-toks", help="Override every task's generation "
                                                      "budget (smoke runs).")] = None,
-    sweep: Annotated[str | None, typer.Option("--sweep", help="top_k_blocks=64,128,192 or "
-                                              "fetch_ratio=0.01,0.05,0.1,1.0 or sink_blocks=0,1,4 or dense_layers=0,2 or "
-                                              "link_gbps=0,20: one run per value per sparse mode.")] = None,
+    sweep: Annotated[str | None, typer.Option("--sweep", help="KEY=V1,V2,...: one run per value per sparse mode. "
+                                              "KEY: any option of the algorithm (top_k_blocks, fetch_ratio, "
+                                              "sink_blocks, recent_blocks, dense_layers, link_gbps, selection_score, "
+                                              "draft, ...) or block_size, e.g. top_k_blocks=64,128,192 or "
+                                              "selection_score=quest,attention.")] = None,
     output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Results root.")] = Path("results"),
     seed: SeedOpt = 0,
     list_only: Annotated[bool, typer.Option("--list-tasks", help="List tasks, data sources and whether data is "

@@ -33,9 +33,12 @@ from typing import Any, Callable
 
 from oasisbench.accuracy import tasks as T
 from oasisbench.results.store import RunStore, atomic_write_json, atomic_write_text
+from oasiskv_runtime.config import EngineConfig
 
-SWEEP_KEYS = ("top_k_blocks", "fetch_ratio", "sink_blocks", "dense_layers", "link_gbps")
-_INT_SWEEP_KEYS = ("top_k_blocks", "sink_blocks", "dense_layers")
+_OPTIONS = EngineConfig.options()
+SWEEP_KEYS = tuple(name for name, spec in _OPTIONS.items() if spec.section == "sparse") + ("block_size",)
+"""What ``--sweep`` may vary: every option of the algorithm (the config's ``sparse`` section, so a new one is
+sweepable as soon as it is declared) and the block size (the granularity of selection)."""
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 #: NIAH samples per (task, context length) when --limit is not given: two per default depth.
 DEFAULT_NIAH_LIMIT = 10
@@ -75,8 +78,9 @@ class AccuracyConfig:
     max_num_seqs: int = 256
     max_gen_toks: int | None = None
     """Override every task's generation budget (smoke runs)."""
-    sweep: tuple[str, tuple[float, ...]] | None = None
-    """(key, values): one run per value for each sparse mode; dense runs once."""
+    sweep: tuple[str, tuple[Any, ...]] | None = None
+    """(key, values): one run per value for each sparse mode; dense runs once. Values may be the CLI's text: they
+    become the option's type (:func:`sweep_value`)."""
     seed: int = 0
     output_dir: Path = Path("results")
 
@@ -94,10 +98,11 @@ class AccuracyConfig:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
         if any(n < 64 for n in self.context_lens):
             raise ValueError(f"--context-len values must be >= 64 tokens, got {list(self.context_lens)}")
-        if self.sweep is not None and (self.sweep[0] not in SWEEP_KEYS or not self.sweep[1]):
-            raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
-        from oasiskv_runtime.config import EngineConfig
-
+        if self.sweep is not None:
+            key, values = self.sweep
+            if key not in SWEEP_KEYS or not values:
+                raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
+            object.__setattr__(self, "sweep", (key, tuple(sweep_value(key, v) for v in values)))
         most_dense = max(st.get("dense_layers", self.dense_layers) for _, st in self.settings())
         if most_dense:  # the engine checks layer indices only once the model is loaded: here before dense runs
             from oasiskv_runtime.models.loader import model_config_for
@@ -120,11 +125,34 @@ class AccuracyConfig:
                 out.append((mode, {}))
             else:
                 key, values = self.sweep
-                out += [(mode, {key: int(v) if key in _INT_SWEEP_KEYS else float(v)}) for v in values]
+                out += [(mode, {key: v}) for v in values]
         return out
 
     def suite_name(self) -> str:
         return "accuracy-" + "+".join(self.tasks if len(self.tasks) <= 3 else (*self.tasks[:3], "more"))
+
+
+def sweep_value(key: str, value: Any) -> Any:
+    """A sweep value as its option's type (the type of its default): ``"2"`` or ``2.0`` -> 2 for an integer option,
+    ``"0.25"`` -> 0.25, ``"true"`` / ``"off"`` for a switch, text as it is for a name (``selection_score``). Whether
+    the value is valid is the engine config's to say (checked for every setting before any engine loads)."""
+    default = _OPTIONS[key].default
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, bool):
+                return value
+            return {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}[str(value).lower()]
+        if isinstance(default, int):
+            number = float(value)
+            if not number.is_integer():
+                raise ValueError(value)
+            return int(number)
+        if isinstance(default, float):
+            return float(value)
+    except (KeyError, ValueError):
+        kind = {bool: "true or false", int: "an integer", float: "a number"}[type(default)]
+        raise ValueError(f"--sweep {key}: {value!r} is not {kind}") from None
+    return str(value)
 
 
 @dataclass

@@ -3,8 +3,12 @@ take the best ``K`` per KV head, without reading any real key.
 
 A block's score is Quest's upper bound of ``q . k`` over its keys, ``sum_d max(q_d * min_d, q_d * max_d)``, maxed
 over the query heads of the KV head's group (GQA). The query is the draft token's (OasisKV's look-ahead, for the
-next step), or the request's own (proxy-prefetch, sparse-resident, fetch-on-demand). Leading ``sink_blocks`` are
-always kept.
+next step), or the request's own (proxy-prefetch, sparse-resident, fetch-on-demand). Leading ``sink_blocks`` and
+the ``recent_blocks`` before the active block of the step predicted for are always kept (they count in the K).
+
+``selection_score="attention"`` ranks by the exact attention mass instead (:func:`block_attention_mass`, the top-K
+no summary-based selection can beat): it reads the full keys through ``batch.primary_table``, so it needs them on
+the device (sparse-resident); ``keys`` are the per-layer key caches that table indexes.
 """
 
 from __future__ import annotations
@@ -13,33 +17,52 @@ import torch
 
 from oasiskv_runtime.core.batch import DecodeBatch
 from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.ops.attention_mass import block_attention_mass
 from oasiskv_runtime.ops.score_topk import quest_scores, rank_topk
 
 
 class Predictor:
     def __init__(self, summaries: KeySummaries, num_kv_heads: int, k_slots: int, sink_blocks: int = 0,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", selection_score: str = "quest", keys: list[torch.Tensor] | None = None,
+                 scale: float = 1.0, recent_blocks: int = 0) -> None:
         self.summaries, self.hkv, self.k_slots = summaries, num_kv_heads, k_slots
-        self.sink_blocks, self.backend = sink_blocks, backend
+        self.sink_blocks, self.recent_blocks, self.backend = sink_blocks, recent_blocks, backend
+        self.selection_score, self.keys, self.scale = selection_score, keys, scale
+        """``keys``: per layer ``[num_blocks, block_size, Hkv, D]`` (what ``primary_table`` indexes) and attention's
+        ``scale``, read by ``selection_score="attention"`` only."""
 
     def predict(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
                 int32: bool = False) -> torch.Tensor:
         """Top-K logical blocks per KV head ``[B, Hkv, K]`` (``-1`` padded, best first) for queries
         ``[B, Hq, D]``, over this step's candidate blocks or (``next_step``) the next step's. ``int32``: keep the
         ranking's int32 ids (what the fused selection kernel reads); int64 otherwise (for indexing)."""
-        sum_min, sum_max = self.summaries.read(layer)
         if next_step:
             num_candidates, max_candidates = batch.next_candidates, batch.max_next_candidates
         else:
             num_candidates, max_candidates = batch.num_candidates, batch.max_candidates
-        scores = quest_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv, max_candidates,
-                              backend=self.backend)
-        if self.sink_blocks and scores.shape[-1]:
-            sink = min(self.sink_blocks, scores.shape[-1])
-            head = scores[..., :sink]
-            scores[..., :sink] = torch.where(torch.isinf(head), head, torch.full_like(head, float("inf")))
+        if self.selection_score == "attention":
+            scores = block_attention_mass(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
+                                          self.scale, max_candidates)
+        else:
+            sum_min, sum_max = self.summaries.read(layer)
+            scores = quest_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
+                                  max_candidates, backend=self.backend)
+        scores = keep_always(scores, num_candidates, self.sink_blocks, self.recent_blocks)
         ids, _ = rank_topk(scores, num_candidates, self.k_slots, backend=self.backend, with_valid=False)
         return ids if int32 else ids.long()
+
+
+def keep_always(scores: torch.Tensor, num_candidates: torch.Tensor, sink_blocks: int,
+                recent_blocks: int) -> torch.Tensor:
+    """``scores`` ``[B, Hkv, J]`` with the first ``sink_blocks`` and the last ``recent_blocks`` candidates of each
+    request (``num_candidates``: ``[B]``) raised to ``+inf``, so any ranking keeps them; columns beyond the candidates
+    stay as they are. The mask is made on the device from the counts (no host read: CUDA graphs capture it)."""
+    if not (sink_blocks or recent_blocks) or not scores.shape[-1]:
+        return scores
+    j = torch.arange(scores.shape[-1], device=scores.device).view(1, -1)
+    nc = num_candidates.to(scores.device, torch.int64).view(-1, 1)
+    keep = ((j < sink_blocks) | (j >= nc - recent_blocks)) & (j < nc)                 # [B, J]
+    return scores.masked_fill(keep.unsqueeze(1), float("inf"))
 
 
 def resident_block_ids(pred: torch.Tensor, primary_table: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,8 @@ class OasisKVAttention:
         self.stats = SparseStats(num_layers, 2 * device_cache.block_size * head_dim * device_cache.k[0].element_size())
         self.head_map = HeadMap(max_rows, num_layers, num_kv_heads, k_slots, self.device, self.mode.uses_host_pool)
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
-                                   self.sparse.sink_blocks, backend)
+                                   self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
+                                   scale, self.sparse.recent_blocks)
         self.pipeline = self.io = None
         if self.mode.uses_host_pool:
             # The pipeline's streams and per-layer events exist on CUDA with the kernels; elsewhere the same calls
@@ -83,8 +84,12 @@ class OasisKVAttention:
             section = specs[key].section if key in specs else None
             if section not in ("sparse", "kernels", "debug"):
                 raise ValueError(f"{key} cannot change on a running engine")
-            setattr(self, section, dataclasses.replace(getattr(self, section), **{key: value}))
-        self.predictor.sink_blocks = self.sparse.sink_blocks
+            new = dataclasses.replace(getattr(self, section), **{key: value})
+            if section == "sparse":
+                new.check_mode(self.mode)
+            setattr(self, section, new)
+        self.predictor.sink_blocks, self.predictor.recent_blocks = self.sparse.sink_blocks, self.sparse.recent_blocks
+        self.predictor.selection_score = self.sparse.selection_score
         if self.pipeline is not None:
             self.pipeline.kernels, self.pipeline.debug = self.kernels, self.debug
         self.step_cap = self.sparse.fetch_cap
@@ -261,8 +266,9 @@ class OasisKVAttention:
     def graph_key(self) -> tuple:
         """Python values a captured step bakes in besides the batch shape."""
         k = self.kernels
-        return (self.step_cap, self.debug.disable_transfers, self.sparse.fetch_on_demand_cap, self.sparse.sink_blocks,
-                k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
+        sp = self.sparse
+        return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
+                sp.selection_score, k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
 
     def graph_join(self) -> None:
         """Make the current stream wait for the background streams (a captured step must end joined)."""

@@ -1,0 +1,60 @@
+"""Exact block scores: the softmax attention mass each candidate block gets from a step's query (issue #34).
+
+Quest (:mod:`score_topk`) ranks a block by an upper bound of ``q . k`` from its key summaries, without reading a
+key. This op reads every key of every candidate block, so its top-K is the best any block selection of that size
+can do for the step (the ceiling a study compares the predictions against), at the cost of a dense attention's
+reads. It backs ``SparseConfig.selection_score = "attention"`` (sparse-resident, where the whole KV is on the
+device), a study setting rather than one to deploy, so it has no kernel: the same plain PyTorch on every device.
+It reads nothing back to the host (shapes come from host ints), so a CUDA graph can capture it.
+
+Per request ``b``, KV head ``h`` and candidate block ``j`` (logical blocks ``0 .. num_candidates[b] - 1``: the
+full blocks before the active one, the blocks a selection ranks)::
+
+    mass_h(j) = sum over the query heads i of h's GQA group, over the tokens t of block j, of
+                softmax_t'(scale * q_i . k_t')[t]      (t' over every token of every candidate block)
+
+The softmax is attention's own (the same ``scale``), restricted to the candidates: the active block is attended in
+every selection, so it is left out of what a selection competes for. Summing over the group, like Quest's group max,
+scores a block for every head that shares it (it is selected once for the group); a sum weighs heads by how much of
+their attention the block holds, so ranking by it maximises the group's total attention mass kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["block_attention_mass"]
+
+
+def block_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                         num_candidates: torch.Tensor, num_kv_heads: int, scale: float,
+                         max_candidates: int | None = None) -> torch.Tensor:
+    """Attention mass per candidate block, ``[B, Hkv, J]`` fp32 in ``[0, g]``, ``-inf`` beyond ``num_candidates``.
+
+    ``q``: ``[B, Hq, D]`` the step's query; ``k_cache``: ``[num_blocks, block_size, Hkv, D]`` one layer's keys;
+    ``block_table``: ``[B, NB]`` the cache block holding each logical block; ``num_candidates``: ``[B]``;
+    ``max_candidates``: ``J``, a host-side bound of ``num_candidates`` (read from the device when None).
+    """
+    B, Hq, D = q.shape
+    hkv = int(num_kv_heads)
+    if Hq % hkv:
+        raise ValueError(f"Hq={Hq} not a multiple of Hkv={hkv}")
+    g, bs = Hq // hkv, k_cache.shape[1]
+    J = int(max_candidates) if max_candidates is not None else int(num_candidates.max()) if B else 0
+    dev = q.device
+    if J == 0 or B == 0:
+        return torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
+    j = torch.arange(J, device=dev)
+    ok = j.view(1, J) < num_candidates.to(dev, torch.int64).view(B, 1)                      # [B, J]
+    blocks = block_table.to(dev, torch.int64)[:, j.clamp_max(block_table.shape[1] - 1)]
+    blocks = torch.where(ok, blocks, torch.zeros_like(blocks)).clamp_min(0)              # padding reads block 0
+    token_ok = ok.view(B, 1, J, 1).expand(B, 1, J, bs).reshape(B, 1, J * bs)
+    qf = q.float().view(B, hkv, g, D)
+    out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
+    for h in range(hkv):  # one KV head at a time keeps the gathered keys [B, J * bs, D] small
+        keys = k_cache[:, :, h][blocks].float().view(B, J * bs, D)
+        logits = torch.bmm(qf[:, h], keys.transpose(1, 2)).mul_(scale)                    # [B, g, J * bs]
+        # A request without candidates has an all -inf row (NaN after the softmax): masked below.
+        probs = torch.softmax(logits.masked_fill_(~token_ok, float("-inf")), dim=-1)
+        out[:, h] = probs.view(B, g, J, bs).sum(dim=(1, 3))
+    return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
