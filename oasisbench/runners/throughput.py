@@ -33,13 +33,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from oasisbench.results.schema import CONFIG_FILE, Record, normalize_value, order_modes, point_id
 from oasisbench.results.store import RunStore, to_jsonable
+from oasisbench.runners.workload import (WARMUP_OUTPUT_LEN, RequestRow, make_prompts, point_metrics,
+                                         warm_up_prompt_len)
 from oasisbench.suites import ENGINE_KEYS as SUITE_ENGINE_KEYS
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.drafts import resolve_draft
@@ -63,12 +64,6 @@ POINT_DEFAULTS: dict[str, Any] = {
 }
 #: Point keys that go to the engine as overrides (plus ``max_num_seqs = concurrency``).
 ENGINE_KEYS = ("kv_cache_gb",) + SUITE_ENGINE_KEYS
-#: run_stats() counters copied into every record (extra backend counters are copied too).
-RUN_STAT_KEYS = ("max_running_batch", "mean_running_batch", "num_preemptions", "fetched_blocks_per_step",
-                 "fetched_bytes_per_step", "deferred_blocks_per_step", "prediction_recall", "draft_accuracy",
-                 "resident_gpu_bytes_per_request", "peak_device_memory_bytes", "peak_device_tier_bytes")
-#: Lowest prompt token id: keeps clear of BOS/EOS/pad and other special ids at the bottom of vocabularies.
-MIN_TOKEN_ID = 10
 #: Expected ways for one point to fail (budget too small for one request, out of memory incl.
 #: torch.cuda.OutOfMemoryError, the engine's "KV budget exhausted" deadlock): recorded quietly. Any other
 #: exception is a bug, but it still fails only its point (hours of sweep are not thrown away for one mode's
@@ -146,46 +141,10 @@ def plan_points(points: list[dict[str, Any]]) -> list[PlannedPoint]:
     return planned
 
 
-def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random prompts; the same (seed, shape) gives the same ids in every mode and on every machine."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(MIN_TOKEN_ID, vocab_size, size=(num_requests, prompt_len), dtype=np.int64)
-    return ids.tolist()
-
-
-def _stats(prefix: str, values: list[float]) -> dict[str, float | None]:
-    """vLLM bench's mean/median/std/p99 of one latency, in ms; None without samples."""
-    if not values:
-        return {f"{s}_{prefix}_ms": None for s in ("mean", "median", "std", "p99")}
-    arr = np.asarray(values, dtype=np.float64)
-    return {f"mean_{prefix}_ms": float(arr.mean()), f"median_{prefix}_ms": float(np.median(arr)),
-            f"std_{prefix}_ms": float(arr.std()), f"p99_{prefix}_ms": float(np.percentile(arr, 99))}
-
-
-def point_metrics(outputs: list[Any], num_requests: int, duration_s: float, run_stats: dict[str, Any]) -> dict:
-    """Metrics of one finished point from its RequestOutputs and the engine's run_stats()."""
-    done = [o for o in outputs if o.finish_reason is not None]
-    out_tokens = sum(len(o.token_ids) for o in done)
-    in_tokens = sum(len(o.prompt_token_ids) for o in done)
-    m: dict[str, Any] = {
-        "completed": len(done),
-        "failed": num_requests - len(done),
-        "duration": duration_s,
-        "request_throughput": len(done) / duration_s,
-        "output_throughput": out_tokens / duration_s,
-        "total_token_throughput": (in_tokens + out_tokens) / duration_s,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-    }
-    m.update(_stats("ttft", [o.metrics["ttft_ms"] for o in done if o.metrics.get("ttft_ms") is not None]))
-    m.update(_stats("tpot", [o.metrics["tpot_ms"] for o in done if o.metrics.get("tpot_ms") is not None]))
-    m.update(_stats("itl", [x for o in done for x in o.metrics.get("itl_ms") or []]))
-    m.update({k: v for k, v in run_stats.items() if k != "random_weights"})
-    for key in RUN_STAT_KEYS:
-        m.setdefault(key, None)
-    # Every request is submitted at t0, so the largest running batch is what the KV budget admitted.
-    m["max_admitted_batch"] = m["max_running_batch"]
-    return m
+def embedded_rows(outputs: list[Any]) -> list[RequestRow]:
+    """The finished requests of the embedded engine's ``generate``, as :class:`RequestRow`."""
+    return [RequestRow(len(o.prompt_token_ids), len(o.token_ids), o.metrics.get("ttft_ms"), o.metrics.get("tpot_ms"),
+                       tuple(o.metrics.get("itl_ms") or ())) for o in outputs if o.finish_reason is not None]
 
 
 class _EngineCache:
@@ -230,10 +189,6 @@ class _EngineCache:
             torch.cuda.empty_cache()
 
 
-WARMUP_PROMPT_LEN = 80
-WARMUP_OUTPUT_LEN = 4
-
-
 def warm_up(llm: Any, point: dict[str, Any]) -> None:
     """One request on a fresh engine before anything is timed, then zeroed counters: kernel compilation (Triton
     JIT on a fresh machine), cuBLAS setup and the first CUDA-graph captures would otherwise land in the first
@@ -245,8 +200,7 @@ def warm_up(llm: Any, point: dict[str, Any]) -> None:
     from oasiskv_runtime import SamplingParams
 
     eng = llm.engine
-    length = max(WARMUP_PROMPT_LEN, int(point["context_len"]) - WARMUP_OUTPUT_LEN)
-    prompt = make_prompts(1, min(length, eng.max_model_len - WARMUP_OUTPUT_LEN - 1),
+    prompt = make_prompts(1, warm_up_prompt_len(int(point["context_len"]), eng.max_model_len),
                           eng.model_config.vocab_size, int(point["seed"]) + 1)
     try:
         llm.generate(prompt, SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True))
@@ -321,7 +275,7 @@ def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | N
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params)
             duration = time.perf_counter() - t0
-        return point_metrics(outputs, n, duration, llm.engine.run_stats())
+        return point_metrics(embedded_rows(outputs), n, duration, llm.engine.run_stats())
     except Exception as e:  # noqa: BLE001  (see EXPECTED_POINT_ERRORS)
         cache.drop()  # an engine that failed mid-run may hold half-allocated requests
         if not isinstance(e, EXPECTED_POINT_ERRORS):
