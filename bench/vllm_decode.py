@@ -28,28 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def model_dir(name: str, root: Path) -> Path:
-    """A Hugging Face config directory for a random-weight preset (vLLM loads it with load_format='dummy'), or the
-    path given."""
-    if Path(name).is_dir():
-        return Path(name)
-    from oasiskv_runtime.models.presets import preset_config
-
-    c = preset_config(name)
-    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[c.architecture]
-    cfg = {"architectures": [arch], "model_type": c.architecture, "vocab_size": c.vocab_size,
-           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-           "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-           "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings":
-           c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": "bfloat16",
-           "hidden_act": "silu", "attention_bias": False, "eos_token_id": list(c.eos_token_ids)}
-    if c.rope_scaling:
-        cfg["rope_scaling"] = c.rope_scaling
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg, indent=1))
-    return d
+from oasiskv_runtime.vllm.models import vllm_model
 
 
 def prompts_for(ctx: int, a: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -238,8 +217,8 @@ def main() -> None:
         print("RESULT " + json.dumps(one_mode(child)), flush=True)
         return
     root = Path(tempfile.mkdtemp(prefix="vllm-decode-"))
-    mdir = str(model_dir(a.model, root))
-    results = {"model": a.model, "random_weights": not Path(a.model).is_dir(), "batch": a.batch,
+    mdir = str(vllm_model(a.model, root).path)  # the weights are vLLM's dummy ones here, whatever the model
+    results = {"model": a.model, "random_weights": True, "batch": a.batch,
                "top_k_blocks": a.top_k, "output_len": a.output_len, "modes": {}}
     for mode in a.modes.split(","):
         child = dict(mode=mode, model_dir=mdir, batch=a.batch, context=[int(x) for x in a.context.split(",")],

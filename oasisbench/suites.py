@@ -37,7 +37,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from oasisbench.results.schema import MODES, point_id
+from oasisbench.results.schema import ENGINES, MODES, point_id
 from oasiskv_runtime.config import EngineConfig
 
 KINDS = ("throughput", "accuracy")
@@ -79,6 +79,8 @@ OPTION_SPECS: dict[str, _Validator] = {
     "model": (lambda v: isinstance(v, str) and bool(v), "a model name or path"),
     "modes": (_is_modes, f"a non-empty list of modes ({', '.join(MODES)})"),
     "mode": (lambda v: v in MODES, f"one of {', '.join(MODES)}"),
+    "engine": (lambda v: v in ENGINES, f"one of {', '.join(ENGINES)} (vllm: plain vLLM for dense, the OasisKV plug-in "
+               "for the other modes)"),
     "context_len": (lambda v: _is_int(v) and v >= 1, "a positive integer (tokens)"),
     "output_len": (lambda v: _is_int(v) and v >= 1, "a positive integer (tokens)"),
     "concurrency": (lambda v: _is_int(v) and v >= 1, "a positive integer (requests)"),

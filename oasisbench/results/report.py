@@ -19,6 +19,7 @@ from oasisbench.results.schema import (
     metric_value,
     normalize_value,
     point_id,
+    series_label,
 )
 
 #: (metric, column header) of the per-context tables; bytes are shown in MiB to stay readable.
@@ -139,7 +140,7 @@ def ratio_rows(run: Run, numerator: str, denominator: str) -> tuple[list[str], l
     pairs = _paired(run, numerator, denominator)
     dens = {id(n): d for n, d in pairs}
     nums = [n for n, _ in pairs]
-    shown = ["context_len", "concurrency"] + _varying_keys(nums, {"mode", "context_len", "concurrency"})
+    shown = ["context_len", "concurrency"] + _varying_keys(nums, {"mode", "engine", "context_len", "concurrency"})
     header = shown + [
         f"{numerator} tok/s",
         f"{denominator} tok/s",
@@ -162,14 +163,27 @@ def ratio_rows(run: Run, numerator: str, denominator: str) -> tuple[list[str], l
 
 
 def _paired(run: Run, numerator: str, denominator: str) -> list[tuple[Record, Record]]:
-    """(numerator record, denominator record) of every point both modes ran, matched as in :func:`ratio_rows`."""
-    ignore = {"mode", *SPARSE_ONLY_POINT_KEYS}
+    """(numerator record, denominator record) of every point both mode labels (:func:`series_label`) ran, matched
+    as in :func:`ratio_rows` (the engine is part of the label, not of the match: ``oasiskv`` pairs with
+    ``vllm:dense``)."""
+    ignore = {"mode", "engine", *SPARSE_ONLY_POINT_KEYS}
 
     def key(r: Record) -> str:
         return point_id({k: v for k, v in r["point"].items() if k not in ignore})
 
-    dens = {key(r): r for r in run.records if r["point"]["mode"] == denominator}
-    return [(r, dens[key(r)]) for r in run.records if r["point"]["mode"] == numerator and key(r) in dens]
+    dens = {key(r): r for r in run.records if series_label(r["point"]) == denominator}
+    return [(r, dens[key(r)]) for r in run.records if series_label(r["point"]) == numerator and key(r) in dens]
+
+
+#: The ratio tables a report gives where both sides ran: OasisKV against dense on each engine, and the embedded
+#: engine's OasisKV against plain vLLM (the baseline serving engineers compare with).
+RATIO_PAIRS: tuple[tuple[str, str], ...] = (("oasiskv", "dense"), ("vllm:oasiskv", "vllm:dense"),
+                                            ("oasiskv", "vllm:dense"))
+
+
+def ratio_pairs(run: Run) -> list[tuple[str, str]]:
+    """The :data:`RATIO_PAIRS` with at least one point run on both sides."""
+    return [(a, b) for a, b in RATIO_PAIRS if _paired(run, a, b)]
 
 
 def _values(records: list[Record], key: str, spec: str | None = None) -> str:
@@ -210,7 +224,11 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
     batch_ratio = ratio(a, b, "max_running_batch")
     where = f"c={a['point']['concurrency']}" + (f", {fmt_number(a['point']['context_len'])} tokens"
                                                  if len({r['point']['context_len'] for r in recs}) > 1 else "")
-    if batch_ratio is not None and batch_ratio > 1.0:
+    if batch_ratio is not None and batch_ratio <= 1.0 and numerator.startswith("vllm:"):
+        capacity = (f"Capacity: at {where} {_cell(a, 'max_running_batch')} {numerator} and "
+                    f"{_cell(b, 'max_running_batch')} {denominator} requests ran at once: vLLM reserves KV blocks for "
+                    f"the whole context in every mode (admission by working set is not done on vLLM yet).{failed}")
+    elif batch_ratio is not None and batch_ratio > 1.0:
         capacity = (f"Capacity: at {where} the budget fit {_cell(b, 'max_running_batch')} {denominator} requests at "
                     f"once and {_cell(a, 'max_running_batch')} {numerator} ({batch_ratio:.2f}x): {numerator} keeps "
                     f"only a working set per request on the device.{failed}")
@@ -219,8 +237,10 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
                     f"--kv-cache-gb or raise --concurrency to see one.{failed}")
     tput = ratio(a, b, "output_throughput")
     cpu = str(run.env.get("device") or "").startswith("cpu")
+    bigger = batch_ratio is not None and batch_ratio > 1.0
     why = ("" if tput is None else f" (the bigger batch outweighed {numerator}'s per-step selection cost)"
-           if tput >= 1 else f" ({numerator}'s per-step selection cost outweighed the bigger batch here)")
+           if tput >= 1 and bigger else f" ({numerator}'s per-step selection cost outweighed the bigger batch here)"
+           if bigger else "")
     reading = (f"Throughput: {numerator}/{denominator} tok/s at {where} = {'–' if tput is None else f'{tput:.2f}x'}"
                f"{why}. " + ("CPU timings are noisy and a CPU step is compute-bound, not memory-bound as a GPU's "
                              "decode: trust the batch ratio." if cpu else "Runs compare with `oasisbench compare`."))
@@ -245,10 +265,10 @@ def render_report(run: Run, plot_link_prefix: str = "") -> str:
     modes = run.modes()
     for ctx in run.context_lens():
         recs = [r for r in run.records if int(r["point"]["context_len"]) == ctx]
-        extra = _varying_keys(recs, {"mode", "context_len", "concurrency"})
+        extra = _varying_keys(recs, {"mode", "engine", "context_len", "concurrency"})
         recs.sort(
             key=lambda r: (
-                modes.index(r["point"]["mode"]),
+                modes.index(series_label(r["point"])),
                 int(r["point"]["concurrency"]),
                 *(_sort_value(r["point"].get(k)) for k in extra),
             )
@@ -256,7 +276,7 @@ def render_report(run: Run, plot_link_prefix: str = "") -> str:
         columns = [(m, h) for m, h in REPORT_COLUMNS if any(m in r["metrics"] for r in recs)]
         header = ["mode", "concurrency", *extra, *(h for _, h in columns)]
         rows = [
-            [r["point"]["mode"], str(r["point"]["concurrency"])]
+            [series_label(r["point"]), str(r["point"]["concurrency"])]
             + [fmt_number(r["point"].get(k)) for k in extra]
             + [_cell(r, m) for m, _ in columns]
             for r in recs
@@ -266,15 +286,15 @@ def render_report(run: Run, plot_link_prefix: str = "") -> str:
     failed = [r for r in run.records if r["metrics"].get("error")]
     if failed:
         lines += ["## Failed points", ""]
-        lines += [f"- {r['point']['mode']} ctx={r['point']['context_len']} c={r['point']['concurrency']}: "
+        lines += [f"- {series_label(r['point'])} ctx={r['point']['context_len']} c={r['point']['concurrency']}: "
                   f"{r['metrics']['error']}" for r in failed] + [""]
 
-    if "oasiskv" in modes and "dense" in modes:
-        header, rows = ratio_rows(run, "oasiskv", "dense")
-        if rows:
-            lines += ["## oasiskv / dense", ""]
-            lines += [line + "  " for line in reading_lines(run)] + [""]  # two spaces: a markdown line break
-            lines += _table(header, rows) + [""]
+    for numerator, denominator in ratio_pairs(run):
+        header, rows = ratio_rows(run, numerator, denominator)
+        lines += [f"## {numerator} / {denominator}", ""]
+        # two spaces: a markdown line break
+        lines += [line + "  " for line in reading_lines(run, numerator, denominator)] + [""]
+        lines += _table(header, rows) + [""]
 
     if run.path is not None:
         names = [name for name, *_ in LINE_PLOTS] + [ROOFLINE_PNG]
@@ -317,19 +337,19 @@ def compare_runs(run_a: Run, run_b: Run, metrics: tuple[str, ...] | list[str] = 
     matched = [a_by[pid]["point"] for pid in common]
     by_mode: dict[str, list[Record]] = {}
     for pid in common:
-        by_mode.setdefault(a_by[pid]["point"]["mode"], []).append(a_by[pid])
+        by_mode.setdefault(series_label(a_by[pid]["point"]), []).append(a_by[pid])
     # keys that only differ between modes (a sparse setting dense lacks) add nothing to a row that names its mode
-    varying = sorted({k for recs in by_mode.values() for k in _varying_keys(recs, {"mode"})})
+    varying = sorted({k for recs in by_mode.values() for k in _varying_keys(recs, {"mode", "engine"})})
     varying.sort(key=lambda k: (k not in _SHORT_KEYS, list(_SHORT_KEYS).index(k) if k in _SHORT_KEYS else 0, k))
     shared = {k: v for k, v in (matched[0].items() if matched else ())
-              if k != "mode" and k not in varying and all(normalize_value(m.get(k)) == normalize_value(v)
+              if k not in ("mode", "engine") and k not in varying and all(normalize_value(m.get(k)) == normalize_value(v)
                                                           for m in matched)}
     if any(v is not None for v in shared.values()):
         lines.insert(-1, "- every matched point: " + point_id(shared).replace(",", ", "))
 
     def label(point: dict[str, Any]) -> str:
         parts = [f"{_SHORT_KEYS.get(k, k)}={point_id({k: point.get(k)}).partition('=')[2] or '–'}" for k in varying]
-        return " ".join([str(point["mode"]), *parts])
+        return " ".join([series_label(point), *parts])
 
     for metric in metrics:
         rows = []

@@ -31,6 +31,11 @@ ENV_FILE = "env.json"
 
 #: The five engine modes, in the order tables and legends list them (baseline first, ours last).
 MODES: tuple[str, ...] = ("dense", "sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv")
+#: Engines a throughput point runs on: ours (``embedded``, the default) or vLLM (``dense`` = plain vLLM, the other
+#: modes through the OasisKV plug-in). A point's ``engine`` is None for the default, so it stays out of the point id
+#: and runs recorded before the key existed keep their ids.
+ENGINES: tuple[str, ...] = ("embedded", "vllm")
+DEFAULT_ENGINE = ENGINES[0]
 
 #: Point keys every record must carry.
 REQUIRED_POINT_KEYS: tuple[str, ...] = ("mode", "context_len", "concurrency")
@@ -42,10 +47,12 @@ OPTIONAL_POINT_KEYS: tuple[str, ...] = (
     "kv_cache_gb",
     "output_len",
     "num_requests",
+    "engine",
 )
-#: Point keys that only configure the sparse modes: dense has no counterpart for them, so cross-mode
+#: Point keys that only configure the sparse and host-pool modes: dense has no counterpart for them, so cross-mode
 #: matching (oasiskv vs dense at the same context and concurrency) ignores them.
-SPARSE_ONLY_POINT_KEYS: tuple[str, ...] = ("top_k_blocks", "fetch_ratio", "draft")
+SPARSE_ONLY_POINT_KEYS: tuple[str, ...] = ("top_k_blocks", "fetch_ratio", "draft", "host_kv_gb", "device_tier",
+                                          "link_gbps")
 
 
 class PointMetrics(TypedDict, total=False):
@@ -109,6 +116,12 @@ class PointMetrics(TypedDict, total=False):
     """Most full-KV bytes held in the device tier at once (host-pool modes with ``device_tier``; else 0)."""
     max_admitted_batch: int
     """Most requests admitted at once given the KV budget (capacity, not measured concurrency)."""
+    spec_decode_acceptance_rate: float | None
+    """vLLM points with a draft: accepted / proposed draft tokens (vLLM's name; with one speculative token it is
+    ``draft_accuracy``, which the record also carries)."""
+    tokens_per_step: float | None
+    """vLLM points with a draft: tokens per verify step and request (1 + accepted / drafts; the embedded engine
+    verifies no drafts: one token per step)."""
 
 
 #: Every metric name the schema documents, in display order.
@@ -134,8 +147,8 @@ class Run:
     path: Path | None = None
 
     def modes(self) -> list[str]:
-        """Modes present in the run, canonical order first."""
-        return order_modes({r["point"]["mode"] for r in self.records})
+        """Mode labels (:func:`series_label`) present in the run, canonical order first."""
+        return order_modes({series_label(r["point"]) for r in self.records})
 
     def context_lens(self) -> list[int]:
         """Distinct context lengths, ascending."""
@@ -146,10 +159,29 @@ class Run:
         return {point_id(r["point"]): r for r in self.records}
 
 
+def series_label(point: dict[str, Any]) -> str:
+    """What tables, legends and ratios call a point's mode: the mode on the default engine, ``engine:mode`` on
+    another (``vllm:dense`` is plain vLLM), so one run's embedded and vLLM points of a mode are two series."""
+    engine = point.get("engine")
+    mode = str(point["mode"])
+    return mode if engine in (None, DEFAULT_ENGINE) else f"{engine}:{mode}"
+
+
+def label_mode(label: str) -> str:
+    """The mode of a :func:`series_label` (``vllm:dense`` -> ``dense``)."""
+    return label.rpartition(":")[2]
+
+
 def order_modes(modes: set[str] | list[str]) -> list[str]:
-    """Known modes in :data:`MODES` order, then unknown ones alphabetically."""
-    known = [m for m in MODES if m in modes]
-    return known + sorted(set(modes) - set(MODES))
+    """Mode labels (:func:`series_label`) by mode in :data:`MODES` order, each mode's default engine first, then
+    other engines in :data:`ENGINES` order; unknown ones alphabetically after."""
+    def rank(label: str) -> tuple[int, int, str]:
+        engine = label.rpartition(":")[0] or DEFAULT_ENGINE
+        mode = label_mode(label)
+        return (MODES.index(mode) if mode in MODES else len(MODES),
+                ENGINES.index(engine) if engine in ENGINES else len(ENGINES), label)
+
+    return sorted(set(modes), key=rank)
 
 
 def normalize_value(value: Any) -> Any:

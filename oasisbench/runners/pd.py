@@ -22,7 +22,8 @@ import numpy as np
 from rich.progress import Progress
 
 from oasisbench.results.store import RunStore, atomic_write_json
-from oasisbench.runners.throughput import _git_commit, _stats, make_prompts
+from oasisbench.runners.throughput import _git_commit
+from oasisbench.runners.workload import _stats, make_prompts
 from oasiskv_runtime.engine.kv_cache_manager import cdiv
 
 TIMELINE_BIN_S = 0.05

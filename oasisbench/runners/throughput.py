@@ -1,5 +1,9 @@
 """The throughput runner: one engine per point, a fixed random-token workload, vLLM-named metrics.
 
+A point runs on the embedded engine (``engine`` unset, the default) in this process, or on vLLM (``engine: vllm``:
+plain vLLM for dense, the OasisKV plug-in for the other modes) in a process of its own
+(:mod:`oasisbench.runners.vllm_point`); both serve the same requests (:mod:`oasisbench.runners.workload`).
+
 Each point is ``num_requests`` prompts of ``context_len - output_len`` random token ids (seeded, so every
 mode sees the same work), all submitted at t0 with ``max_num_seqs = concurrency`` on the engine: the
 shape of ``vllm bench throughput`` / ``--max-concurrency``. Decoding is greedy with ``ignore_eos`` so
@@ -33,13 +37,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from oasisbench.results.schema import CONFIG_FILE, Record, normalize_value, order_modes, point_id
+from oasisbench.results.schema import (CONFIG_FILE, DEFAULT_ENGINE, Record, normalize_value, order_modes, point_id,
+                                       series_label)
 from oasisbench.results.store import RunStore, to_jsonable
+from oasisbench.runners.workload import (WARMUP_OUTPUT_LEN, RequestRow, make_prompts, point_metrics,
+                                         warm_up_prompt_len)
 from oasisbench.suites import ENGINE_KEYS as SUITE_ENGINE_KEYS
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.drafts import resolve_draft
@@ -58,17 +64,12 @@ POINT_DEFAULTS: dict[str, Any] = {
     "device": "",
     "dtype": "",
     "seed": 0,
+    "engine": None,
     **{k: None for k in SUITE_ENGINE_KEYS},
     **{k: EngineConfig.options()[k].default for k in _NAMED},
 }
 #: Point keys that go to the engine as overrides (plus ``max_num_seqs = concurrency``).
 ENGINE_KEYS = ("kv_cache_gb",) + SUITE_ENGINE_KEYS
-#: run_stats() counters copied into every record (extra backend counters are copied too).
-RUN_STAT_KEYS = ("max_running_batch", "mean_running_batch", "num_preemptions", "fetched_blocks_per_step",
-                 "fetched_bytes_per_step", "deferred_blocks_per_step", "prediction_recall", "draft_accuracy",
-                 "resident_gpu_bytes_per_request", "peak_device_memory_bytes", "peak_device_tier_bytes")
-#: Lowest prompt token id: keeps clear of BOS/EOS/pad and other special ids at the bottom of vocabularies.
-MIN_TOKEN_ID = 10
 #: Expected ways for one point to fail (budget too small for one request, out of memory incl.
 #: torch.cuda.OutOfMemoryError, the engine's "KV budget exhausted" deadlock): recorded quietly. Any other
 #: exception is a bug, but it still fails only its point (hours of sweep are not thrown away for one mode's
@@ -82,7 +83,12 @@ class PlannedPoint:
 
     point: dict[str, Any]
     engine: Any
-    """The :class:`~oasiskv_runtime.config.EngineConfig` built from the point."""
+    """The :class:`~oasiskv_runtime.config.EngineConfig` built from the point, or for a vLLM point its
+    :class:`~oasisbench.runners.vllm_point.VllmPlan`."""
+
+    @property
+    def on_vllm(self) -> bool:
+        return self.point.get("engine") == "vllm"
 
     @property
     def pid(self) -> str:
@@ -94,6 +100,8 @@ def resolve_point(point: dict[str, Any]) -> dict[str, Any]:
     from oasisbench.cli.options import default_device, default_dtype
 
     out = {**POINT_DEFAULTS, **point}
+    if out["engine"] == DEFAULT_ENGINE:  # the default stays out of the id, as every other default
+        out["engine"] = None
     out["device"] = default_device(out["device"])
     out["dtype"] = default_dtype(out["dtype"], out["device"])
     if out["num_requests"] is None:
@@ -110,29 +118,37 @@ def engine_overrides(point: dict[str, Any]) -> dict[str, Any]:
     return ov
 
 
-def plan_points(points: list[dict[str, Any]]) -> list[PlannedPoint]:
-    """Resolve every point and build its engine config, so config errors stop the sweep before it starts.
+def plan_points(points: list[dict[str, Any]], check_device: bool = True) -> list[PlannedPoint]:
+    """Resolve every point and build its engine config (a vLLM point: its :class:`VllmPlan`), so config errors stop
+    the sweep before it starts. ``check_device``: refuse CUDA points on a machine without CUDA (a dry run plans a
+    GPU suite anywhere).
 
     Raises:
-        ValueError: a point is invalid (the message names it), or a model cannot be found.
+        ValueError: a point is invalid (the message names it), two points are one, or a model cannot be found.
     """
     from oasiskv_runtime.models.loader import resolve
+    from oasisbench.runners.vllm_point import plan_vllm_point
 
     planned: list[PlannedPoint] = []
+    seen: set[str] = set()
     for raw in points:
         p = resolve_point(raw)
         pid = point_id(p)
+        if pid in seen:
+            raise ValueError(f"point {pid} is listed twice")
+        seen.add(pid)
         if p["output_len"] >= p["context_len"]:
             raise ValueError(f"point {pid}: output_len ({p['output_len']}) must be below context_len "
                              f"({p['context_len']}): the prompt is context_len - output_len tokens")
         try:
-            cfg = EngineConfig.from_overrides(p["model"], device=p["device"], dtype=p["dtype"], mode=p["mode"],
-                                              seed=p["seed"], **engine_overrides(p))
+            cfg = plan_vllm_point(p) if p["engine"] == "vllm" else EngineConfig.from_overrides(
+                p["model"], device=p["device"], dtype=p["dtype"], mode=p["mode"], seed=p["seed"],
+                **engine_overrides(p))
         except (ValueError, TypeError) as e:
             raise ValueError(f"point {pid}: {e}") from None
         planned.append(PlannedPoint(p, cfg))
     cuda = [pp.pid for pp in planned if pp.point["device"].startswith("cuda")]
-    if cuda:
+    if cuda and check_device:
         import torch
 
         if not torch.cuda.is_available():
@@ -146,46 +162,10 @@ def plan_points(points: list[dict[str, Any]]) -> list[PlannedPoint]:
     return planned
 
 
-def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random prompts; the same (seed, shape) gives the same ids in every mode and on every machine."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(MIN_TOKEN_ID, vocab_size, size=(num_requests, prompt_len), dtype=np.int64)
-    return ids.tolist()
-
-
-def _stats(prefix: str, values: list[float]) -> dict[str, float | None]:
-    """vLLM bench's mean/median/std/p99 of one latency, in ms; None without samples."""
-    if not values:
-        return {f"{s}_{prefix}_ms": None for s in ("mean", "median", "std", "p99")}
-    arr = np.asarray(values, dtype=np.float64)
-    return {f"mean_{prefix}_ms": float(arr.mean()), f"median_{prefix}_ms": float(np.median(arr)),
-            f"std_{prefix}_ms": float(arr.std()), f"p99_{prefix}_ms": float(np.percentile(arr, 99))}
-
-
-def point_metrics(outputs: list[Any], num_requests: int, duration_s: float, run_stats: dict[str, Any]) -> dict:
-    """Metrics of one finished point from its RequestOutputs and the engine's run_stats()."""
-    done = [o for o in outputs if o.finish_reason is not None]
-    out_tokens = sum(len(o.token_ids) for o in done)
-    in_tokens = sum(len(o.prompt_token_ids) for o in done)
-    m: dict[str, Any] = {
-        "completed": len(done),
-        "failed": num_requests - len(done),
-        "duration": duration_s,
-        "request_throughput": len(done) / duration_s,
-        "output_throughput": out_tokens / duration_s,
-        "total_token_throughput": (in_tokens + out_tokens) / duration_s,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-    }
-    m.update(_stats("ttft", [o.metrics["ttft_ms"] for o in done if o.metrics.get("ttft_ms") is not None]))
-    m.update(_stats("tpot", [o.metrics["tpot_ms"] for o in done if o.metrics.get("tpot_ms") is not None]))
-    m.update(_stats("itl", [x for o in done for x in o.metrics.get("itl_ms") or []]))
-    m.update({k: v for k, v in run_stats.items() if k != "random_weights"})
-    for key in RUN_STAT_KEYS:
-        m.setdefault(key, None)
-    # Every request is submitted at t0, so the largest running batch is what the KV budget admitted.
-    m["max_admitted_batch"] = m["max_running_batch"]
-    return m
+def embedded_rows(outputs: list[Any]) -> list[RequestRow]:
+    """The finished requests of the embedded engine's ``generate``, as :class:`RequestRow`."""
+    return [RequestRow(len(o.prompt_token_ids), len(o.token_ids), o.metrics.get("ttft_ms"), o.metrics.get("tpot_ms"),
+                       tuple(o.metrics.get("itl_ms") or ())) for o in outputs if o.finish_reason is not None]
 
 
 class _EngineCache:
@@ -230,10 +210,6 @@ class _EngineCache:
             torch.cuda.empty_cache()
 
 
-WARMUP_PROMPT_LEN = 80
-WARMUP_OUTPUT_LEN = 4
-
-
 def warm_up(llm: Any, point: dict[str, Any]) -> None:
     """One request on a fresh engine before anything is timed, then zeroed counters: kernel compilation (Triton
     JIT on a fresh machine), cuBLAS setup and the first CUDA-graph captures would otherwise land in the first
@@ -245,8 +221,7 @@ def warm_up(llm: Any, point: dict[str, Any]) -> None:
     from oasiskv_runtime import SamplingParams
 
     eng = llm.engine
-    length = max(WARMUP_PROMPT_LEN, int(point["context_len"]) - WARMUP_OUTPUT_LEN)
-    prompt = make_prompts(1, min(length, eng.max_model_len - WARMUP_OUTPUT_LEN - 1),
+    prompt = make_prompts(1, warm_up_prompt_len(int(point["context_len"]), eng.max_model_len),
                           eng.model_config.vocab_size, int(point["seed"]) + 1)
     try:
         llm.generate(prompt, SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True))
@@ -292,7 +267,7 @@ def _token_progress(engine: Any, progress: Progress, task: Any) -> Iterator[None
 
 
 def point_label(point: dict[str, Any]) -> str:
-    return f"{point['mode']} ctx={point['context_len']} c={point['concurrency']}"
+    return f"{series_label(point)} ctx={point['context_len']} c={point['concurrency']}"
 
 
 def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | None = None,
@@ -321,7 +296,7 @@ def run_point(planned: PlannedPoint, cache: _EngineCache, progress: Progress | N
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params)
             duration = time.perf_counter() - t0
-        return point_metrics(outputs, n, duration, llm.engine.run_stats())
+        return point_metrics(embedded_rows(outputs), n, duration, llm.engine.run_stats())
     except Exception as e:  # noqa: BLE001  (see EXPECTED_POINT_ERRORS)
         cache.drop()  # an engine that failed mid-run may hold half-allocated requests
         if not isinstance(e, EXPECTED_POINT_ERRORS):
@@ -353,10 +328,25 @@ def environment(planned: list[PlannedPoint], random_weights: bool | None) -> dic
         "random_weights": random_weights,
         # what each draft spec of the run means here (``auto`` depends on the model and the heads shipped)
         "drafts": {f"{pp.point['draft']} @ {pp.point['model']}": resolve_draft(pp.point["draft"], pp.point["model"])
-                   for pp in planned if pp.point["mode"] == "oasiskv"},
+                   for pp in planned if pp.point["mode"] == "oasiskv" and not pp.on_vllm},
+        **_vllm_environment(planned),
         "hostname": socket.gethostname(),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _vllm_environment(planned: list[PlannedPoint]) -> dict[str, Any]:
+    """The vLLM of the run's vLLM points (its version, and what their drafts are in vLLM's terms); nothing without
+    vLLM points."""
+    from oasiskv_runtime.vllm import speculative_config
+    from oasiskv_runtime.vllm.version import installed_vllm_version
+
+    on_vllm = [pp for pp in planned if pp.on_vllm]
+    if not on_vllm:
+        return {}
+    drafts = {f"{pp.point['draft']} @ vllm": speculative_config(pp.engine.plugin["draft"])
+              for pp in on_vllm if pp.engine.plugin is not None and pp.engine.plugin["draft"] != "none"}
+    return {"vllm": installed_vllm_version(), "vllm_drafts": drafts}
 
 
 def _git_commit() -> str | None:
@@ -396,28 +386,42 @@ def refuse_other_config(store: RunStore, planned: list[PlannedPoint]) -> None:
                              f"the flags it was started with. Differs: {'; '.join(diff)}")
 
 
+def refuse_trace_on_vllm(planned: list[PlannedPoint], trace_window: tuple[tuple[int, int], ...] | None) -> None:
+    """Raise ``ValueError`` when steps are to be traced in a run with vLLM points (traces profile our engine's steps
+    in this process; a vLLM point runs in another)."""
+    if trace_window is not None and any(pp.on_vllm for pp in planned):
+        raise ValueError("--trace-steps profiles the embedded engine's steps; this run has vLLM points "
+                         "(use vLLM's own profiler there)")
+
+
 def run_throughput(points: list[dict[str, Any]], store: RunStore, progress: Progress | None = None,
-                   trace_window: tuple[tuple[int, int], ...] | None = None) -> None:
+                   trace_window: tuple[tuple[int, int], ...] | None = None,
+                   vllm_timeout_s: float | None = None) -> None:
     """Plan ``points`` (:func:`plan_points`) and run them (:func:`run_planned`).
 
     Raises ``ValueError`` (before running anything) for invalid points; see the module docstring.
     """
-    run_planned(plan_points(points), store, progress, trace_window)
+    run_planned(plan_points(points), store, progress, trace_window, vllm_timeout_s)
 
 
 def run_planned(planned: list[PlannedPoint], store: RunStore, progress: Progress | None = None,
-                trace_window: tuple[tuple[int, int], ...] | None = None) -> None:
+                trace_window: tuple[tuple[int, int], ...] | None = None,
+                vllm_timeout_s: float | None = None) -> None:
     """Run every planned point not already recorded in ``store``; write config.json, env.json and metrics.json.
     ``trace_window`` ((start, count), ...): profile those engine steps of each point run into ``traces.txt`` in the
-    run directory (the profiled steps are slower: their point's timings are marked ``traced_steps``).
+    run directory (the profiled steps are slower: their point's timings are marked ``traced_steps``). vLLM points
+    run in a process each (killed after ``vllm_timeout_s``, default
+    :data:`~oasisbench.runners.vllm_point.DEFAULT_TIMEOUT_S`), their logs kept as ``vllm-point-<i>.log``.
 
     Raises ``ValueError`` before running anything when ``store`` is a resumed run recorded with other points (its
-    config.json differs: resuming would mix two sweeps in one run). ``progress`` gets one task per point
-    (:func:`run_point`); :func:`summary_table` renders the result.
+    config.json differs: resuming would mix two sweeps in one run), or when steps are to be traced in a run with
+    vLLM points. ``progress`` gets one task per point (:func:`run_point`); :func:`summary_table` renders the result.
     """
     from oasiskv_runtime.models.presets import preset_names
     from oasisbench.runners.step_trace import window_label
+    from oasisbench.runners.vllm_point import DEFAULT_TIMEOUT_S, run_vllm_point
 
+    refuse_trace_on_vllm(planned, trace_window)
     refuse_other_config(store, planned)
     store.write_config({
         "suite": store.suite,
@@ -431,8 +435,15 @@ def run_planned(planned: list[PlannedPoint], store: RunStore, progress: Progress
     for i, pp in enumerate(planned):
         if pp.pid in done:
             continue
+        where = f"point {i + 1}/{len(planned)}"
+        if pp.on_vllm:
+            cache.drop()  # the vLLM process sizes its KV to the device memory this one leaves
+            metrics = run_vllm_point(pp.point, progress, f"{where} {point_label(pp.point)}",
+                                     store.path / f"vllm-point-{i + 1}.log", vllm_timeout_s or DEFAULT_TIMEOUT_S)
+            store.add_record(pp.point, metrics)
+            continue
         trace = (trace_window, store.path / "traces.txt") if trace_window is not None else None
-        metrics = run_point(pp, cache, progress, trace, where=f"point {i + 1}/{len(planned)}")
+        metrics = run_point(pp, cache, progress, trace, where=where)
         if trace_window is not None:
             metrics["traced_steps"] = window_label(trace_window)
         store.add_record(pp.point, metrics)
@@ -444,22 +455,22 @@ def summary_table(records: list[Record]) -> Table:
     the caller, the table only says FAILED, so it stays narrow enough for an 80-column terminal."""
     table = Table(title="throughput")
     # num_requests defaults to the concurrency: a column repeating it would only take width.
-    hidden = {"mode", "concurrency"} | ({"num_requests"} if all(
+    hidden = {"mode", "engine", "concurrency"} | ({"num_requests"} if all(
         r["point"].get("num_requests") == r["point"]["concurrency"] for r in records) else set())
     extra = sorted(k for k in {k for r in records for k in r["point"]} - hidden
                    if len({repr(r["point"].get(k)) for r in records}) > 1)
     for col in ("mode", "conc", *extra, "tok/s", "req/s", "TPOT ms", "batch", "MiB/step", "recall", "status"):
         table.add_column(col, justify="left" if col in ("mode", "status") else "right")
-    modes = order_modes({r["point"]["mode"] for r in records})
+    modes = order_modes({series_label(r["point"]) for r in records})
 
     def cell(value: Any, fmt: str) -> str:
         return "–" if value is None else format(value, fmt)
 
-    for r in sorted(records, key=lambda r: (modes.index(r["point"]["mode"]), r["point"]["concurrency"],
+    for r in sorted(records, key=lambda r: (modes.index(series_label(r["point"])), r["point"]["concurrency"],
                                             *(repr(r["point"].get(k)) for k in extra))):
         m = r["metrics"]
         fetched = m.get("fetched_bytes_per_step")
-        table.add_row(r["point"]["mode"], str(r["point"]["concurrency"]), *(str(r["point"].get(k)) for k in extra),
+        table.add_row(series_label(r["point"]), str(r["point"]["concurrency"]), *(str(r["point"].get(k)) for k in extra),
                       cell(m.get("output_throughput"), ".1f"), cell(m.get("request_throughput"), ".3f"),
                       cell(m.get("median_tpot_ms"), ".1f"), cell(m.get("max_running_batch"), "d"),
                       cell(None if fetched is None else fetched / 2**20, ".3f"),

