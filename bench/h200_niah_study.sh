@@ -3,7 +3,8 @@
 # LIMIT docs per family and length). Staging as bench/h200_niah.sh (two `h200_draft.sh stage` calls, then this one
 # with .dev/b and .whl carried); a later call on the warm machine finds the GGUF and skips the staging.
 #   GROUP=budget     every mode at K = 16, 32, 64 (2K: 1/8, 1/4, 1/2 of the context; 4K: 1/16, 1/8, 1/4)
-#   GROUP=ceiling    sparse-resident ranking by true attention mass (selection_score=attention) at the same K
+#   GROUP=ceiling    sparse-resident ranking by true attention mass (--selection-score attention) at K = KS, and
+#                    oasiskv alone at K = OASISKV_K when set (to finish a budget call that ran out of time)
 #   GROUP=fixes      recent_blocks=2,4 at K = 32 (sparse-resident and oasiskv)
 # Each accuracy command's run directory goes into $OUT/<group>.tar.gz (re-packed every 20 s, so a call that runs out
 # of time returns what finished); report lines go to $OUT/<group>.log.
@@ -34,10 +35,9 @@ acc() {  # $1 tag, $2 seconds, rest: oasisbench accuracy arguments
 case ${GROUP:-budget} in
   budget) acc budget "${ACC_S:-540}" --modes dense,sparse-resident,proxy-prefetch,oasiskv --top-k-blocks 32 \
             --sweep top_k_blocks=16,32,64 ;;
-  ceiling) for k in 16 32 64; do
-             acc "attention-k$k" "${ACC_S:-170}" --modes dense,sparse-resident --top-k-blocks $k \
-               --sweep selection_score=attention
-           done ;;
+  ceiling) acc attention "${ACC_S:-190}" --modes dense,sparse-resident --selection-score attention \
+             --sweep "top_k_blocks=${KS:-16,32}"
+           [ -n "${OASISKV_K:-}" ] && acc oasiskv "${OASISKV_S:-130}" --modes dense,oasiskv --top-k-blocks "$OASISKV_K" ;;
   fixes) acc recent "${ACC_S:-400}" --modes dense,sparse-resident,oasiskv --top-k-blocks 32 --sweep recent_blocks=2,4 ;;
 esac
 kill $packer 2>/dev/null; pack

@@ -17,7 +17,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from oasisbench.cli.options import (DEFAULT_MODEL_NAME, TOP_K_NOTE, DenseLayersOpt, DeviceOpt, DraftOpt, DtypeOpt,
-                                    FetchRatioOpt, KvGbOpt, LinkGbpsOpt, MaxSeqsOpt, ModelOpt, SeedOpt, SinkBlocksOpt,
+                                    FetchRatioOpt, KvGbOpt, LinkGbpsOpt, MaxSeqsOpt, ModelOpt, RecentBlocksOpt, SeedOpt,
+                                    SelectionScoreOpt, SinkBlocksOpt,
                                     default_device, default_dtype, engine_default, engine_option)
 from oasisbench.cli.defaults import default_top_k_blocks, top_k_note
 from oasisbench.cli.report import fail
@@ -114,6 +115,8 @@ def accuracy_cmd(
     link_gbps: LinkGbpsOpt = engine_default("link_gbps"),
     sink_blocks: SinkBlocksOpt = engine_default("sink_blocks"),
     dense_layers: DenseLayersOpt = engine_default("dense_layers"),
+    recent_blocks: RecentBlocksOpt = engine_default("recent_blocks"),
+    selection_score: SelectionScoreOpt = engine_default("selection_score"),
     draft: DraftOpt = engine_default("draft"),
     max_num_seqs: MaxSeqsOpt = engine_default("max_num_seqs"),
     max_gen_toks: Annotated[int | None, typer.Option("--max-gen-toks", help="Override every task's generation "
@@ -153,7 +156,7 @@ def accuracy_cmd(
             num_samples=num_samples, data_dir=data_dir, context_lens=context_lens,
             depths=_split(depths, float, "--depths"), device=device, dtype=default_dtype(dtype, device),
             top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, link_gbps=link_gbps, sink_blocks=sink_blocks,
-            dense_layers=dense_layers, draft=draft,
+            dense_layers=dense_layers, recent_blocks=recent_blocks, selection_score=selection_score, draft=draft,
             kv_cache_gb=kv_cache_gb,
             max_num_seqs=max_num_seqs, max_gen_toks=max_gen_toks, sweep=_sweep(sweep), seed=seed,
             output_dir=output_dir)

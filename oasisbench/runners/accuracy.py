@@ -73,6 +73,11 @@ class AccuracyConfig:
     dense_layers: int = 0
     """The first N layers attend over the whole context in every sparse mode (Quest keeps its first two dense);
     the paper's configuration has none."""
+    recent_blocks: int = 0
+    """The last N full blocks every sparse mode always keeps (part of the top-K budget)."""
+    selection_score: str = "quest"
+    """sparse-resident's ranking: ``quest`` (min/max summaries) or ``attention`` (true attention mass: the ceiling
+    of any block selection). The dense anchor runs without it."""
     draft: str = "auto"
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
@@ -113,7 +118,7 @@ class AccuracyConfig:
         for mode, setting in self.settings():  # the engine's own checks, before any engine loads (not after dense ran)
             try:
                 EngineConfig.from_overrides(self.model, device=self.device, dtype=self.dtype, mode=mode,
-                                            seed=self.seed, **_engine_opts(self, setting))
+                                            seed=self.seed, **_engine_opts(self, setting, mode))
             except ValueError as e:
                 raise ValueError(f"{label(mode, setting)}: {e}") from None
 
@@ -197,19 +202,21 @@ def _env(cfg: AccuracyConfig) -> dict[str, Any]:
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any]) -> dict[str, Any]:
+def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any], mode: str = "") -> dict[str, Any]:
     """The engine options of one setting: the run's, then the sweep's override."""
     opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, link_gbps=cfg.link_gbps,
-                sink_blocks=cfg.sink_blocks,
+                sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
                 dense_layers=cfg.dense_layers, draft=cfg.draft, kv_cache_gb=cfg.kv_cache_gb,
                 max_num_seqs=cfg.max_num_seqs) | setting
+    if mode != "dense":  # a sparse-resident ranking; the anchor attends everything
+        opts.setdefault("selection_score", cfg.selection_score)
     return opts
 
 
 def _engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
     from oasiskv_runtime import LLM
 
-    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, mode=mode, seed=cfg.seed, **_engine_opts(cfg, setting))
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, mode=mode, seed=cfg.seed, **_engine_opts(cfg, setting, mode))
     if llm.tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer (a random-weight preset): accuracy tasks need "
                          "text; use a real model such as smollm2-135m or a checkpoint directory")
