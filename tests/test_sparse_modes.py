@@ -234,3 +234,16 @@ def test_sink_and_recent_blocks_are_always_selected(tiny, mode):
 def test_recent_blocks_with_a_covering_budget_equal_dense(tiny, dense_tokens, mode):
     llm = LLM(tiny, mode=mode, top_k_blocks=64, block_size=4, sink_blocks=1, recent_blocks=2, draft="ngram")
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
+
+
+@pytest.mark.parametrize("mode", SPARSE)
+@pytest.mark.slow
+def test_minmax_mass_with_a_covering_budget_equals_dense(tiny, dense_tokens, mode, monkeypatch):
+    import oasiskv_runtime.core.predictor as predictor
+
+    calls, real = [], predictor.minmax_mass_scores
+    monkeypatch.setattr(predictor, "minmax_mass_scores", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    llm = LLM(tiny, mode=mode, top_k_blocks=64, block_size=4, max_num_batched_tokens=16, draft="ngram",
+              selection_score="minmax_mass")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
+    assert calls                                                     # the predictions ranked with it

@@ -9,6 +9,8 @@ the ``recent_blocks`` before the active block of the step predicted for are alwa
 ``selection_score="attention"`` ranks by the exact attention mass instead (:func:`block_attention_mass`, the top-K
 no summary-based selection can beat): it reads the full keys through ``batch.primary_table``, so it needs them on
 the device (sparse-resident); ``keys`` are the per-layer key caches that table indexes.
+``selection_score="minmax_mass"`` ranks by an estimate of that mass from the same min/max summaries
+(:func:`minmax_mass_scores`, attention's ``scale`` included), so it runs in every mode.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from oasiskv_runtime.core.batch import DecodeBatch
 from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.attention_mass import block_attention_mass
-from oasiskv_runtime.ops.score_topk import quest_scores, rank_topk
+from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_scores, rank_topk
 
 
 class Predictor:
@@ -28,8 +30,8 @@ class Predictor:
         self.summaries, self.hkv, self.k_slots = summaries, num_kv_heads, k_slots
         self.sink_blocks, self.recent_blocks, self.backend = sink_blocks, recent_blocks, backend
         self.selection_score, self.keys, self.scale = selection_score, keys, scale
-        """``keys``: per layer ``[num_blocks, block_size, Hkv, D]`` (what ``primary_table`` indexes) and attention's
-        ``scale``, read by ``selection_score="attention"`` only."""
+        """``keys``: per layer ``[num_blocks, block_size, Hkv, D]`` (what ``primary_table`` indexes), read by
+        ``selection_score="attention"`` only; attention's ``scale``, read by ``attention`` and ``minmax_mass``."""
 
     def predict(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
                 int32: bool = False) -> torch.Tensor:
@@ -43,6 +45,10 @@ class Predictor:
         if self.selection_score == "attention":
             scores = block_attention_mass(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
                                           self.scale, max_candidates)
+        elif self.selection_score == "minmax_mass":
+            sum_min, sum_max = self.summaries.read(layer)
+            scores = minmax_mass_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
+                                        self.scale, max_candidates)
         else:
             sum_min, sum_max = self.summaries.read(layer)
             scores = quest_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,

@@ -43,7 +43,7 @@ import torch
 
 from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
 
-__all__ = ["score_topk", "score_topk_ref", "quest_scores_ref", "quest_scores", "select_topk",
+__all__ = ["score_topk", "score_topk_ref", "quest_scores_ref", "quest_scores", "minmax_mass_scores", "select_topk",
            "select_topk_triton"]
 
 triton = None
@@ -88,19 +88,19 @@ def select_topk(scores: torch.Tensor, num_candidates: torch.Tensor, k: int
     return out, num_valid
 
 
-def quest_scores_ref(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
-                     max_candidates: Optional[int] = None) -> torch.Tensor:
-    """fp32 group-max Quest scores ``[B, Hkv, J]``; ``-inf`` beyond num_candidates."""
+def _gather_summaries(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
+                      max_candidates: Optional[int]):
+    """The candidates' summary rows: ``(q [B, Hkv, g, D], mins [B, J, Hkv, D], maxs, ok [B, J])`` fp32, or None
+    when there are no columns; columns beyond ``num_candidates`` read page 0 (masked by ``ok``)."""
     B, Hq, D = q.shape
     Hkv = int(num_kv_heads)
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} not a multiple of Hkv={Hkv}")
-    g = Hq // Hkv
     BS = sum_min.shape[1]
     J = _num_cols(num_candidates, max_candidates)
-    dev = q.device
     if J == 0:
-        return torch.empty((B, Hkv, 0), dtype=torch.float32, device=dev)
+        return None
+    dev = q.device
     j = torch.arange(J, device=dev)
     nc = num_candidates.to(dev, torch.int64)
     ok = j.view(1, J) < nc.view(B, 1)  # [B, J]
@@ -108,16 +108,53 @@ def quest_scores_ref(q, sum_min, sum_max, summary_block_table, num_candidates, n
         summary_block_table.shape[1] - 1)]
     pages = torch.where(ok, pages, torch.zeros_like(pages)).clamp_min(0)
     rows = (j % BS).view(1, J).expand(B, J)
-    mn = sum_min[pages, rows].float()  # [B, J, Hkv, D]
-    mx = sum_max[pages, rows].float()
-    qf = q.float().view(B, Hkv, g, D)
-    out = torch.empty((B, Hkv, J), dtype=torch.float32, device=dev)
+    return q.float().view(B, Hkv, Hq // Hkv, D), sum_min[pages, rows].float(), sum_max[pages, rows].float(), ok
+
+
+def quest_scores_ref(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
+                     max_candidates: Optional[int] = None) -> torch.Tensor:
+    """fp32 group-max Quest scores ``[B, Hkv, J]``; ``-inf`` beyond num_candidates."""
+    B, Hkv = q.shape[0], int(num_kv_heads)
+    got = _gather_summaries(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads, max_candidates)
+    if got is None:
+        return torch.empty((B, Hkv, 0), dtype=torch.float32, device=q.device)
+    qf, mn, mx, ok = got
+    out = torch.empty((B, Hkv, ok.shape[1]), dtype=torch.float32, device=q.device)
     for h in range(Hkv):  # one head at a time keeps the [B, g, J, D] temporary small
         qh = qf[:, h].unsqueeze(2)  # [B, g, 1, D]
         a = qh * mn[:, :, h].unsqueeze(1)
         b = qh * mx[:, :, h].unsqueeze(1)
         out[:, h] = torch.maximum(a, b).sum(-1).amax(dim=1)
-    return out.masked_fill(~ok.view(B, 1, J), float("-inf"))
+    return out.masked_fill(~ok.unsqueeze(1), float("-inf"))
+
+
+def minmax_mass_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads, scale: float,
+                       max_candidates: Optional[int] = None) -> torch.Tensor:
+    """fp32 ``[B, Hkv, J]`` scores estimating each block's log attention mass from its key min/max (the same
+    summaries Quest reads), ``-inf`` beyond num_candidates. Per query head, a block's keys are taken as spread
+    uniformly over ``[min, max]`` in each dimension, and the log of ``E[exp(scale * q . k)]`` under a Gaussian of
+    that mean and variance is::
+
+        est(j) = q . mid + scale / 2 * sum_d q_d^2 * (max_d - min_d)^2 / 12,   mid = (min + max) / 2
+
+    (in logit units). Quest's bound ``q . mid + sum_d |q_d| (max_d - min_d) / 2`` adds every dimension's whole
+    spread, so a block with one wide dimension outranks one whose keys point at the query; here the spread counts
+    only as far as it raises the expected softmax weight. GQA: MAX over the group, as Quest's. Plain PyTorch on
+    every device (no kernel: CUDA runs this too) and no host read, so a CUDA graph can capture it.
+    """
+    B, Hkv = q.shape[0], int(num_kv_heads)
+    got = _gather_summaries(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads, max_candidates)
+    if got is None:
+        return torch.empty((B, Hkv, 0), dtype=torch.float32, device=q.device)
+    qf, mn, mx, ok = got
+    mid, var = (mn + mx) * 0.5, (mx - mn).square_().div_(12.0)                    # [B, J, Hkv, D]
+    out = torch.empty((B, Hkv, ok.shape[1]), dtype=torch.float32, device=q.device)
+    for h in range(Hkv):
+        qh = qf[:, h]                                                                # [B, g, D]
+        est = torch.bmm(qh, mid[:, :, h].transpose(1, 2)) + (0.5 * scale) * torch.bmm(
+            qh.square(), var[:, :, h].transpose(1, 2))                               # [B, g, J]
+        out[:, h] = est.amax(dim=1)
+    return out.masked_fill(~ok.unsqueeze(1), float("-inf"))
 
 
 def score_topk_ref(q, sum_min, sum_max, summary_block_table, num_candidates, k, num_kv_heads,
