@@ -28,6 +28,12 @@ from typing import Any, Callable
 from oasisbench.results.store import atomic_write_json, to_jsonable
 
 RESULT, PROGRESS = "result.json", "progress.json"
+#: Figures of the plug-in's host-pool runtime copied into a record (``backend.collect_stats()["oasiskv"]``).
+HOST_POOL_STATS = ("fetched_blocks_per_step", "fetched_bytes_per_step", "max_fetched_bytes_per_step",
+                   "deferred_blocks_per_step", "initial_fill_bytes", "prediction_recall", "fetch_cap",
+                   "max_step_cap_bytes", "max_step_bytes_over_cap", "fills", "gap_rows", "fallback_steps")
+#: Per-layer counters of the plug-in's attention (``collect_stats``), as differences over the timed run.
+LAYER_STATS = ("decode_rows", "draft_rows", "sparse_rows")
 
 
 def child_command(module: str, payload: dict[str, Any], out_dir: str) -> list[str]:
@@ -187,3 +193,48 @@ def start_vllm(model_name: str, device: str, llm_kwargs: dict[str, Any], plugin:
             yield llm, vllm, model
         finally:
             llm.llm_engine.engine_core.shutdown()
+
+
+def counter(llm: Any, name: str) -> int:
+    """A Prometheus counter of vLLM's, summed over engines (it lives as long as the process: take differences)."""
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == name)
+
+
+class EngineCounters:
+    """vLLM's and the plug-in's counters from now on: construct it before a timed run (it zeroes the host pool's
+    counters), call :meth:`since` after. ``plugin``: the run's ``engine_args`` arguments (None: plain vLLM)."""
+
+    def __init__(self, llm: Any, plugin: dict[str, Any] | None, fresh: bool = False) -> None:
+        """``fresh``: no step has run yet (every counter is still zero, and the host pool's runtime does not exist
+        before the first step: nothing to read or zero)."""
+        import functools
+
+        from oasiskv_runtime.config import Mode
+        from oasiskv_runtime.vllm import spec_decode_counts
+        from oasiskv_runtime.vllm.backend import collect_stats, configure
+
+        self.llm, self.plugin = llm, plugin
+        self.host_pool = plugin is not None and Mode(plugin["mode"]).uses_host_pool
+        if self.host_pool and not fresh:
+            llm.apply_model(functools.partial(configure, reset=True))
+        self.layers = llm.apply_model(collect_stats)[0] if plugin is not None and not fresh else {}
+        self.spec, self.preempted = spec_decode_counts(llm), counter(llm, "vllm:num_preemptions")
+
+    def since(self) -> dict[str, Any]:
+        """Preemptions; with a draft its acceptance; with the plug-in its layer counters and host-pool figures."""
+        from oasiskv_runtime.vllm import acceptance, spec_decode_counts
+        from oasiskv_runtime.vllm.backend import collect_stats
+
+        stats: dict[str, Any] = {"num_preemptions": counter(self.llm, "vllm:num_preemptions") - self.preempted,
+                                 "fetched_blocks_per_step": 0.0, "fetched_bytes_per_step": 0.0,
+                                 "deferred_blocks_per_step": 0.0}
+        if self.plugin is not None and self.plugin["draft"] != "none":
+            acc = acceptance(self.spec, spec_decode_counts(self.llm))
+            stats.update(draft_accuracy=acc["acceptance_rate"], spec_decode_acceptance_rate=acc["acceptance_rate"],
+                         tokens_per_step=acc["tokens_per_step"], num_drafts=acc["drafts"])
+        if self.plugin is not None:
+            layers = self.llm.apply_model(collect_stats)[0]
+            stats.update({k: layers[k] - self.layers.get(k, 0) for k in LAYER_STATS})
+            if self.host_pool:
+                stats.update({k: layers["oasiskv"].get(k) for k in HOST_POOL_STATS})
+        return stats

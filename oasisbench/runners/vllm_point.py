@@ -22,7 +22,6 @@ traffic from its workers (``collect_stats``, counters zeroed after the warm-up).
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from rich.progress import Progress
 
 from oasisbench.results.store import to_jsonable
 from oasisbench.runners import vllm_child
-from oasisbench.runners.vllm_child import ChildStatus, start_vllm
+from oasisbench.runners.vllm_child import ChildStatus, EngineCounters, start_vllm
 from oasisbench.runners.workload import WARMUP_OUTPUT_LEN, RequestRow, make_prompts, point_metrics, warm_up_prompt_len
 from oasisbench.suites import ENGINE_KEYS
 from oasiskv_runtime.config import EngineConfig, Mode
@@ -48,13 +47,6 @@ VLLM_POINT_KEYS = ("top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_b
 PLUGIN_KEYS = ("top_k_blocks", "fetch_ratio", "block_size", "sink_blocks", "backend", "measure_recall")
 #: Seconds a vLLM point may take, engine start and shutdown included, before its process is killed.
 DEFAULT_TIMEOUT_S = 3600.0
-#: Figures of the plug-in's host-pool runtime copied into a record (``backend.collect_stats()["oasiskv"]``).
-HOST_POOL_STATS = ("fetched_blocks_per_step", "fetched_bytes_per_step", "max_fetched_bytes_per_step",
-                   "deferred_blocks_per_step", "initial_fill_bytes", "prediction_recall", "fetch_cap",
-                   "max_step_cap_bytes", "max_step_bytes_over_cap", "fills", "gap_rows", "fallback_steps")
-#: Per-layer counters of the plug-in's attention (``collect_stats``), as differences over the timed run.
-LAYER_STATS = ("decode_rows", "draft_rows", "sparse_rows")
-_RESULT, _PROGRESS = "result.json", "progress.json"
 
 
 @dataclass(frozen=True)
@@ -190,11 +182,6 @@ class _StepTap:
         return tuple((b - a) * 1e3 for a, b in zip(times, times[1:]))
 
 
-def _counter(llm: Any, name: str) -> int:
-    """A Prometheus counter of vLLM's, summed over engines (it lives as long as the process: take differences)."""
-    return sum(int(m.value) for m in llm.get_metrics() if m.name == name)
-
-
 def _request_row(out: Any, tap: _StepTap) -> RequestRow:
     st = out.metrics  # vLLM's RequestStateStats (log_stats on)
     n = len(out.outputs[0].token_ids)
@@ -218,19 +205,12 @@ def measure_point(point: dict[str, Any], status: ChildStatus) -> dict[str, Any]:
 
 def _timed_run(llm: Any, vllm: Any, point: dict[str, Any], plan: VllmPlan, vocab_size: int,
                status: ChildStatus) -> dict[str, Any]:
-    from oasiskv_runtime.vllm import acceptance, spec_decode_counts
-    from oasiskv_runtime.vllm.backend import collect_stats, configure
-
     ctx, out_len, n, seed = (int(point[k]) for k in ("context_len", "output_len", "num_requests", "seed"))
     status.update(phase="warm-up", force=True)
     warm = make_prompts(1, warm_up_prompt_len(ctx, ctx), vocab_size, seed + 1)
     llm.generate([{"prompt_token_ids": p} for p in warm],
                  vllm.SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    host_pool = plan.plugin is not None and Mode(plan.plugin["mode"]).uses_host_pool
-    if host_pool:
-        llm.apply_model(functools.partial(configure, reset=True))
-    layers_before = llm.apply_model(collect_stats)[0] if plan.plugin is not None else None
-    spec_before, preempted_before = spec_decode_counts(llm), _counter(llm, "vllm:num_preemptions")
+    counters = EngineCounters(llm, plan.plugin)
 
     prompts = [{"prompt_token_ids": p} for p in make_prompts(n, ctx - out_len, vocab_size, seed)]
     params = vllm.SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, seed=seed)
@@ -244,19 +224,7 @@ def _timed_run(llm: Any, vllm: Any, point: dict[str, Any], plan: VllmPlan, vocab
     running = tap.running
     stats: dict[str, Any] = {
         "num_steps": len(running), "max_running_batch": max(running, default=0),
-        "mean_running_batch": sum(running) / len(running) if running else 0.0,
-        "num_preemptions": _counter(llm, "vllm:num_preemptions") - preempted_before,
-        "fetched_blocks_per_step": 0.0, "fetched_bytes_per_step": 0.0, "deferred_blocks_per_step": 0.0,
-    }
-    if plan.plugin is not None and plan.plugin["draft"] != "none":
-        acc = acceptance(spec_before, spec_decode_counts(llm))
-        stats.update(draft_accuracy=acc["acceptance_rate"], spec_decode_acceptance_rate=acc["acceptance_rate"],
-                     tokens_per_step=acc["tokens_per_step"], num_drafts=acc["drafts"])
-    if layers_before is not None:
-        layers = llm.apply_model(collect_stats)[0]
-        stats.update({k: layers[k] - layers_before[k] for k in LAYER_STATS})
-        if host_pool:
-            stats.update({k: layers["oasiskv"].get(k) for k in HOST_POOL_STATS})
+        "mean_running_batch": sum(running) / len(running) if running else 0.0, **counters.since()}
     rows = [_request_row(o, tap) for o in outputs if o.finished]
     return to_jsonable(point_metrics(rows, n, duration, stats))
 
