@@ -128,6 +128,10 @@ def accuracy_cmd(
                                               "selection_score=quest,attention.")] = None,
     output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Results root.")] = Path("results"),
     seed: SeedOpt = 0,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="Whose generations are scored: embedded (our engine) or vllm (dense: plain vLLM; other "
+        "modes: vLLM with the OasisKV plug-in; NIAH tasks only; options the plug-in lacks, e.g. --recent-blocks, are "
+        "refused). Deltas compare each mode with the same engine's dense.")] = "embedded",
     list_only: Annotated[bool, typer.Option("--list-tasks", help="List tasks, data sources and whether data is "
                                             "here, then exit.")] = False,
 ) -> None:
@@ -136,6 +140,8 @@ def accuracy_cmd(
     Example: oasisbench accuracy --task niah --model smollm2-135m --modes dense,oasiskv --context-len 4096 --limit 5
 
     Example: oasisbench accuracy --task aime24 --data-dir data/ --modes dense,oasiskv --sweep top_k_blocks=64,128
+
+    Example: oasisbench accuracy --engine vllm --task niah_single_needle --modes dense,oasiskv --context-len 1024 --limit 2
     """
     if list_only:
         list_tasks(data_dir)
@@ -159,7 +165,7 @@ def accuracy_cmd(
             dense_layers=dense_layers, recent_blocks=recent_blocks, selection_score=selection_score, draft=draft,
             kv_cache_gb=kv_cache_gb,
             max_num_seqs=max_num_seqs, max_gen_toks=max_gen_toks, sweep=_sweep(sweep), seed=seed,
-            output_dir=output_dir)
+            output_dir=output_dir, engine=engine)
         outcome = run(cfg, log=lambda m: console.print(f"[dim]{escape(m)}[/]"))
     except MissingDataError as e:
         raise fail(str(e)) from None

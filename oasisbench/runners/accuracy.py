@@ -45,6 +45,10 @@ DEFAULT_NIAH_LIMIT = 10
 #: NIAH context length when --context-len is not given: beyond the default working set (128 blocks = 2,048
 #: tokens), so the sparse modes really select.
 DEFAULT_NIAH_CONTEXT = 4096
+#: What ``--engine`` takes: our engine, or vLLM (with the plug-in for the sparse modes).
+ENGINES = ("embedded", "vllm")
+#: Seconds one vLLM setting (its engine start included) may take before its process is killed.
+VLLM_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class AccuracyConfig:
     become the option's type (:func:`sweep_value`)."""
     seed: int = 0
     output_dir: Path = Path("results")
+    engine: str = "embedded"
+    """Whose generations are scored: ``embedded`` (our engine) or ``vllm`` (plain vLLM for dense, vLLM with the
+    OasisKV plug-in for the sparse modes; one vLLM process per setting; NIAH tasks only)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(T.expand_tasks(list(self.tasks))))
@@ -121,6 +128,18 @@ class AccuracyConfig:
                                             seed=self.seed, **_engine_opts(self, setting, mode))
             except ValueError as e:
                 raise ValueError(f"{label(mode, setting)}: {e}") from None
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "vllm":
+            lm_tasks = [n for n in self.tasks if T.TASKS[n].kind != "niah"]
+            if lm_tasks:
+                raise ValueError(f"--engine vllm runs NIAH tasks only; lm-eval tasks ({', '.join(lm_tasks)}) run on "
+                                 "the embedded engine")
+            for mode, setting in self.settings():
+                try:
+                    _vllm_plan(self, mode, setting)
+                except ValueError as e:
+                    raise ValueError(f"{label(mode, setting, self.engine)}: {e}") from None
 
     def settings(self) -> list[tuple[str, dict[str, Any]]]:
         """(mode, sweep override) pairs in run order: the dense anchor first."""
@@ -179,8 +198,10 @@ class RunOutcome:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-def label(mode: str, setting: dict[str, Any]) -> str:
-    return mode + "".join(f"[{k}={v}]" for k, v in setting.items())
+def label(mode: str, setting: dict[str, Any], engine: str = "embedded") -> str:
+    """A setting's name in rows and reports: ``oasiskv[top_k_blocks=8]``; on vLLM ``vllm:oasiskv[...]``."""
+    prefix = "" if engine == "embedded" else f"{engine}:"
+    return prefix + mode + "".join(f"[{k}={v}]" for k, v in setting.items())
 
 
 def _env(cfg: AccuracyConfig) -> dict[str, Any]:
@@ -221,6 +242,25 @@ def _engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
         raise ValueError(f"model {cfg.model!r} has no tokenizer (a random-weight preset): accuracy tasks need "
                          "text; use a real model such as smollm2-135m or a checkpoint directory")
     return llm
+
+
+def _niah_context_lens(cfg: AccuracyConfig) -> tuple[int, ...]:
+    return cfg.context_lens or (DEFAULT_NIAH_CONTEXT,)
+
+
+def _vllm_plan(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
+    """The vLLM engine of one setting: a window of the longest prompt plus the longest generation."""
+    from oasisbench.runners.accuracy_vllm import plan_setting
+
+    max_gen = cfg.max_gen_toks or max(T.TASKS[n].max_gen_toks for n in cfg.tasks)
+    return plan_setting(cfg.model, cfg.device, cfg.dtype, cfg.seed, mode, _engine_opts(cfg, setting, mode),
+                        max(_niah_context_lens(cfg)) + max_gen)
+
+
+def _vllm_engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any], log_path: Path) -> Any:
+    from oasisbench.runners.accuracy_vllm import VllmEngine
+
+    return VllmEngine(cfg.model, cfg.device, _vllm_plan(cfg, mode, setting), log_path, VLLM_TIMEOUT_S)
 
 
 @contextmanager
@@ -285,7 +325,7 @@ def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str]) -> tuple[list[Sam
     from oasisbench.accuracy.niah import encode_prompt, string_match_all
 
     limit = cfg.limit or DEFAULT_NIAH_LIMIT
-    items = [(name, s) for name, n in itertools.product(names, cfg.context_lens or (DEFAULT_NIAH_CONTEXT,))
+    items = [(name, s) for name, n in itertools.product(names, _niah_context_lens(cfg))
              for s in T.niah_samples(llm.tokenizer, name, n, list(cfg.depths), limit, cfg.seed)]
     prompts, params = [], []
     for name, s in items:
@@ -298,7 +338,8 @@ def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str]) -> tuple[list[Sam
             prompts.append(ids)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
-    secs = time.perf_counter() - start
+    # On vLLM the generation's own time: the child's wall time also holds the engine start.
+    secs = getattr(llm, "generate_seconds", None) or time.perf_counter() - start
     samples = []
     for i, (name, s) in enumerate(items):
         texts = [o.text for o in outs[i * cfg.num_samples:(i + 1) * cfg.num_samples]]
@@ -364,7 +405,7 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
     if lm_names:
         import lm_eval  # noqa: F401  (fail on a missing eval extra before loading a model or writing a run)
     store = RunStore(cfg.output_dir, cfg.suite_name())
-    config = asdict(cfg) | {"settings": [label(m, s) for m, s in cfg.settings()],
+    config = asdict(cfg) | {"settings": [label(m, s, cfg.engine) for m, s in cfg.settings()],
                             "data_sources": {n: asdict(s) for n, s in sources.items()}}
     store.write_config(config)
     env = _env(cfg)
@@ -374,24 +415,40 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
     outcome = RunOutcome(store.path)
     samples_by_mode: dict[str, list[str]] = {}
     engine_stats: dict[str, dict[str, Any]] = {}
-    for mode, setting in cfg.settings():
-        name = label(mode, setting)
+    for i, (mode, setting) in enumerate(cfg.settings()):
+        name = label(mode, setting, cfg.engine)
         log(f"[{name}] loading {cfg.model} on {cfg.device}")
-        llm = _engine(cfg, mode, setting)
-        env["random_weights"] = bool(llm.engine.model_config.random_weights)
         runs = []
-        if lm_names:
-            runs.append(_run_lm_eval(cfg, llm, task_dir, lm_names))
-        if niah_names:
-            runs.append(_run_niah(cfg, llm, niah_names))
-        engine_stats[name] = llm.engine.run_stats()
+        if cfg.engine == "vllm":
+            from oasisbench.runners.accuracy_vllm import VllmRunError
+
+            llm = _vllm_engine(cfg, mode, setting, store.path / f"vllm-{i}.log")
+            env["random_weights"] = llm.random_weights
+            try:
+                runs.append(_run_niah(cfg, llm, niah_names))
+            except VllmRunError as e:  # recorded; the next setting runs
+                engine_stats[name] = {"error": str(e)}
+                _write(cfg, store, env, outcome, engine_stats)
+                log(f"[{name}] FAILED: {e}")
+                continue
+            engine_stats[name] = llm.run_stats()
+        else:
+            llm = _engine(cfg, mode, setting)
+            env["random_weights"] = bool(llm.engine.model_config.random_weights)
+            if lm_names:
+                runs.append(_run_lm_eval(cfg, llm, task_dir, lm_names))
+            if niah_names:
+                runs.append(_run_niah(cfg, llm, niah_names))
+            engine_stats[name] = llm.engine.run_stats()
         del llm
         gc.collect()  # one engine's KV pools at a time
         for samples, throughput in runs:
             for row in aggregate(samples, cfg.num_samples):
-                outcome.rows.append(row | {"mode": mode, "setting": setting, "label": name} | throughput)
+                outcome.rows.append(row | {"mode": mode, "setting": setting, "label": name, "engine": cfg.engine}
+                                    | throughput)
             lines = samples_by_mode.setdefault(mode, [])
-            lines += [json.dumps({"mode": mode, "setting": setting} | asdict(s), default=str) for s in samples]
+            lines += [json.dumps({"mode": mode, "setting": setting, "engine": cfg.engine} | asdict(s), default=str)
+                      for s in samples]
         atomic_write_text(store.path / f"samples-{mode}.jsonl", "\n".join(samples_by_mode[mode]) + "\n")
         _with_deltas(outcome.rows)
         _write(cfg, store, env, outcome, engine_stats)
@@ -406,7 +463,7 @@ def _write(cfg: AccuracyConfig, store: RunStore, env: dict, outcome: RunOutcome,
     atomic_write_json(store.path / "accuracy.json", {
         "schema_version": 1, "suite": store.suite, "run_id": store.run_id, "model": cfg.model,
         "random_weights": env.get("random_weights"), "anchor_mode": "dense",
-        "score_unit": "percent; delta_vs_dense in points", "k": cfg.num_samples,
+        "score_unit": "percent; delta_vs_dense in points", "k": cfg.num_samples, "engine": cfg.engine,
         "sweep": None if cfg.sweep is None else {"key": cfg.sweep[0], "values": list(cfg.sweep[1])},
         "rows": outcome.rows, "engine_stats": engine_stats})
     for r in outcome.rows:
@@ -416,26 +473,31 @@ def _write(cfg: AccuracyConfig, store: RunStore, env: dict, outcome: RunOutcome,
         # context_len 0: the task's own lengths (AIME, GPQA) or several lengths pooled.
         point = {"task": r["task"], "mode": r["mode"], "context_len": int(r.get("context_len") or 0),
                  "concurrency": cfg.max_num_seqs, **r["setting"]}
+        if cfg.engine != "embedded":  # the default engine stays out of the point: older runs keep their ids
+            point["engine"] = cfg.engine
         stats = engine_stats.get(r["label"], {})
         metrics = {k: r.get(k) for k in ("score", "delta_vs_dense", "num_samples", "avg_at_k", "output_throughput",
                                          "total_output_tokens", "duration")}
         metrics |= {k: stats.get(k) for k in ("num_preemptions", "fetched_bytes_per_step", "prediction_recall",
                                               "draft_accuracy")}
         store.add_record(point, metrics)
+    errors = {name: st["error"] for name, st in engine_stats.items() if st.get("error")}
     atomic_write_text(store.path / "report.md", render_report(outcome.rows, cfg.model, store.run_id,
-                                                              env.get("random_weights")))
+                                                              env.get("random_weights"), cfg.engine, errors))
 
 
-def render_report(rows: list[dict[str, Any]], model: str, run_id: str, random_weights: bool | None) -> str:
+def render_report(rows: list[dict[str, Any]], model: str, run_id: str, random_weights: bool | None,
+                  engine: str = "embedded", errors: dict[str, str] | None = None) -> str:
     """Markdown: one row per task and stratum, one column per mode (score, and delta vs dense in points),
-    then generated tokens/s per task and mode."""
+    then generated tokens/s per task and mode, then the settings that failed (``errors``: label -> why)."""
     labels = list(dict.fromkeys(r["label"] for r in rows))
     keys = list(dict.fromkeys(k for r in rows for k in r["stratum"]))
     cells: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["task"], json.dumps(r["stratum"])), {})[r["label"]] = r
     warn = " **Random weights: scores carry no meaning.**" if random_weights else ""
-    out = [f"# Accuracy: {model}", "",
+    on = {"embedded": "", "vllm": " on vLLM"}.get(engine, f" on {engine}")
+    out = [f"# Accuracy: {model}{on}", "",
            f"Run `{run_id}`. Scores in percent; `(+x.x)` is the delta in points against the dense anchor of the "
            f"same engine (deltas compare only within one stack).{warn}", "",
            "| " + " | ".join(["task", *keys, *labels]) + " |", "|" + "---|" * (1 + len(keys) + len(labels))]
@@ -457,4 +519,7 @@ def render_report(rows: list[dict[str, Any]], model: str, run_id: str, random_we
         if stratum_text == "{}":
             tps = [by_label[n].get("output_throughput") if n in by_label else None for n in labels]
             out.append("| " + " | ".join([task, *("-" if v is None else f"{v:.1f}" for v in tps)]) + " |")
+    if errors:
+        out += ["", "Failed settings (no rows):", "", *(f"- `{name}`: {why.splitlines()[0]}" for name, why in
+                                                         errors.items())]
     return "\n".join(out) + "\n"

@@ -16,7 +16,7 @@ from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
 from oasiskv_runtime.engine.model_runner import ModelRunner
 from oasiskv_runtime.engine.scheduler import Scheduler
 from oasiskv_runtime.engine.sequence import Sequence, SequenceStatus
-from oasiskv_runtime.models.loader import DTYPES, load_model
+from oasiskv_runtime.models.loader import DTYPES, eos_token_ids, load_model
 from oasiskv_runtime.sampling_params import SamplingParams
 from oasiskv_runtime.transfer.host_pool import HostKVPool
 from oasiskv_runtime.transfer.paged_kv import PagedKVCache
@@ -106,9 +106,7 @@ class LLMEngine:
         self.staged: dict[str, StagedKV] = {}
         """Prefill-decode, prefill side: request id -> the prompt KV kept in the host pool for a decode peer."""
         self._held_blocks: dict[int, int] = {}
-        self.eos_ids = set(mc.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = eos_token_ids(mc, self.tokenizer)
 
     def _default_host_bytes(self) -> int:
         """The host pool when none is given: on CUDA 64 GiB, or half the available RAM where that is less (it

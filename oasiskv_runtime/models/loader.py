@@ -158,6 +158,20 @@ def _load_tokenizer(directory: Path) -> Any:
         return None
 
 
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer :func:`load_model` gives ``model`` (None for a random-weight preset), without the weights."""
+    _, _, directory = model_config_for(model)
+    return None if directory is None else _load_tokenizer(directory)
+
+
+def eos_token_ids(config: ModelConfig, tokenizer: Any) -> set[int]:
+    """The tokens that end a generation: the config's, and the tokenizer's EOS (a chat model's turn end)."""
+    ids = set(config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
 def _check_fits(config: ModelConfig, device: str, dtype: torch.dtype) -> None:
     need = config.num_params() * torch.tensor([], dtype=dtype).element_size()
     if device.startswith("cuda"):
