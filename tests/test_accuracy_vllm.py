@@ -39,11 +39,10 @@ def _cfg(model: str, tmp_path: Path, **kw: Any) -> AccuracyConfig:
 
 
 @pytest.mark.parametrize("options, named", [
-    ({"recent_blocks": 2}, "recent_blocks"),
     ({"dense_layers": 1}, "dense_layers"),
     ({"link_gbps": 25.0}, "link_gbps"),
     ({"modes": ("sparse-resident",), "selection_score": "attention"}, "selection_score"),
-    ({"sweep": ("recent_blocks", ("0", "2"))}, "recent_blocks"),
+    ({"sweep": ("dense_layers", ("0", "2"))}, "dense_layers"),
     ({"modes": ("fetch-on-demand",)}, "fetch-on-demand"),
     ({"tasks": ("aime24",)}, "lm-eval tasks \\(aime24\\)"),
     ({"engine": "sglang"}, "--engine must be one of embedded, vllm"),
@@ -53,6 +52,15 @@ def test_options_vllm_lacks_are_refused_naming_them(tiny, tmp_path, options, nam
         _cfg(tiny, tmp_path, **options)
     if "engine" not in options and "tasks" not in options and "fetch-on-demand" not in str(options):
         _cfg(tiny, tmp_path, **options, engine="embedded")  # the embedded engine takes them
+
+
+def test_summary_rankings_and_the_recent_window_reach_the_plugin(tiny, tmp_path):
+    """recent_blocks and selection_score=minmax_mass read only summaries: the vLLM front end takes them (dense, plain
+    vLLM, takes nothing of ours)."""
+    cfg = _cfg(tiny, tmp_path, recent_blocks=1, selection_score="minmax_mass")
+    plans = {m: _vllm_plan(cfg, m, s) for m, s in cfg.settings()}
+    assert plans["dense"].plugin is None
+    assert plans["oasiskv"].plugin["recent_blocks"] == 1 and plans["oasiskv"].plugin["selection_score"] == "minmax_mass"
 
 
 def test_each_setting_plans_plain_vllm_for_dense_and_the_plugin_otherwise(tiny, tmp_path):

@@ -57,7 +57,8 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
     assert llm["kv_cache_memory_bytes"] == int(0.125 * (1 << 30)) and llm["enforce_eager"] is True  # CPU
     assert llm["max_num_batched_tokens"] == resolve_point({**POINT, "mode": "dense"})["max_num_batched_tokens"]
     assert oasis.plugin == {"mode": "oasiskv", "top_k_blocks": 8, "fetch_ratio": 0.05, "block_size": 16,
-                            "sink_blocks": 0, "backend": "auto", "measure_recall": False, "draft": "ngram"}
+                            "sink_blocks": 0, "recent_blocks": 0, "selection_score": "quest", "backend": "auto",
+                            "measure_recall": False, "draft": "ngram"}
     assert sparse.plugin["draft"] == "none"  # as on the embedded engine, only oasiskv drafts
     on_gpu = plan_points([{**POINT, "engine": "vllm", "mode": "dense", "device": "cuda"}], check_device=False)
     assert "enforce_eager" not in on_gpu[0].engine.llm_kwargs  # vLLM's graphs on CUDA
@@ -73,6 +74,7 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
     ({"mode": "oasiskv", "link_gbps": 30.0}, "does not take link_gbps"),
     ({"mode": "oasiskv", "draft": "oracle"}, "no vLLM counterpart"),
     ({"mode": "oasiskv", "block_size": 8}, "block_size"),
+    ({"mode": "sparse-resident", "selection_score": "attention"}, "does not run on vLLM"),
     ({"mode": "dense", "cuda_graphs": "static"}, "cuda_graphs auto or off"),
 ])
 def test_configs_vllm_cannot_take_fail_before_anything_runs(tmp_path, extra, message):

@@ -297,8 +297,11 @@ def test_host_pool_runtime_rows_follow_requests():
 
 def test_options_and_version_errors():
     assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
+    ok = VllmOptions(top_k_blocks=4, sink_blocks=1, recent_blocks=2, selection_score="minmax_mass")
+    assert VllmOptions.from_dict(ok.to_dict()) == ok  # what additional_config carries to the workers
     for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
-                dict(fetch_ratio=0.0), dict(backend="cuda")):
+                dict(fetch_ratio=0.0), dict(backend="cuda"), dict(selection_score="attention"),
+                dict(top_k_blocks=4, sink_blocks=2, recent_blocks=2)):
         with pytest.raises(ValueError):
             VllmOptions(**bad)
     with pytest.raises(ValueError, match="unknown OasisKV option"):
@@ -815,7 +818,8 @@ def engines(tmp_path_factory):
             else:
                 runs = _run_engine(d, runs=(None, {"mode": "proxy-prefetch"}),
                                    **engine_args(mode="oasiskv", top_k_blocks=TOP_K, draft="ngram",
-                                                 measure_recall=True))
+                                                 measure_recall=True, selection_score="minmax_mass",
+                                                 recent_blocks=1))
                 cache[arch, key] = dict(zip(("oasiskv", "proxy-prefetch"), runs))
         got = cache[arch, key]
         return got[which] if key == "host" else got[0]

@@ -57,7 +57,7 @@ def _on_cuda(platform: str | None) -> bool:
 
 def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str | None = "auto",
                 block_size: int = 16, sink_blocks: int = 0, backend: str = "auto", measure_recall: bool = False,
-                platform: str | None = None) -> dict[str, Any]:
+                platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest") -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -73,7 +73,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     """
     check_vllm_version()
     opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
-                       sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall)
+                       sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
+                       recent_blocks=recent_blocks, selection_score=selection_score)
     parsed = opts.parsed_mode
     if parsed not in IMPLEMENTED_MODES:
         raise NotImplementedError(f"mode {parsed.value!r} is not implemented on vLLM")

@@ -272,7 +272,8 @@ class OasisKVImplMixin:
             mk = lambda: torch.zeros((nb, 1, hkv, d), dtype=k_cache.dtype, device=k_cache.device)  # noqa: E731
             o = self.oasiskv
             p = self._predictor = Predictor(KeySummaries([mk()], [mk()], o.backend), hkv, o.top_k_blocks,
-                                            o.sink_blocks, o.backend)
+                                            o.sink_blocks, o.backend, o.selection_score, scale=self.scale,
+                                            recent_blocks=o.recent_blocks)
         return p
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -311,7 +312,7 @@ class OasisKVImplMixin:
         from oasiskv_runtime.vllm.connector import connector_events
         from oasiskv_runtime.vllm.host_pool import layer_index, runtime_for
 
-        rt = self.runtime = runtime_for(self._vllm_config, self.oasiskv, k_cache, k_cache.dtype)
+        rt = self.runtime = runtime_for(self._vllm_config, self.oasiskv, k_cache, k_cache.dtype, self.scale)
         plan = meta.plan
         if rt.cur is None or rt.cur.plan is not plan:  # this step's first layer
             rt.begin_step(plan, connector_events()[1], meta.common)

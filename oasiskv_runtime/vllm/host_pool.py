@@ -81,7 +81,8 @@ class HostPoolRuntime:
     """The OasisKV core of one vLLM worker in a host-pool mode (all layers)."""
 
     def __init__(self, opts: VllmOptions, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device, max_rows: int) -> None:
+                 dtype: torch.dtype, device: torch.device, max_rows: int, scale: float | None = None) -> None:
+        scale = head_dim ** -0.5 if scale is None else scale  # attention's; minmax_mass ranks with it
         self.opts, self.mode = opts, opts.parsed_mode
         if not self.mode.uses_host_pool:
             raise ValueError(f"mode {self.mode.value} keeps no host pool")
@@ -102,7 +103,8 @@ class HostPoolRuntime:
         self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
         self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device)
         self.head_map.free_rows.remove(self.scratch_row)
-        self.predictor = Predictor(summaries, num_kv_heads, k, opts.sink_blocks, backend)
+        self.predictor = Predictor(summaries, num_kv_heads, k, opts.sink_blocks, backend, opts.selection_score,
+                                   scale=scale, recent_blocks=opts.recent_blocks)
         background = device.type == "cuda" and backend == "auto"
         self.transfer = TransferEngine(self.pool, self.ws, num_layers, max_rows + 1, device, backend, background)
         self.kernels = KernelConfig(backend=backend)
@@ -339,7 +341,7 @@ _RUNTIMES: dict[int, tuple[Any, HostPoolRuntime]] = {}
 """Per engine config (by id; the config is kept alive beside its runtime): the process's runtime."""
 
 
-def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtype: torch.dtype
+def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtype: torch.dtype, scale: float
                 ) -> HostPoolRuntime:
     """The shared runtime of the engine whose config is ``vllm_config`` (created on the first call, from a layer's
     K cache view ``[num_blocks, block_size, Hkv, D]``)."""
@@ -355,7 +357,7 @@ def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtyp
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     nb, _, hkv, d = k_cache.shape
     rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device,
-                         vllm_config.scheduler_config.max_num_seqs)
+                         vllm_config.scheduler_config.max_num_seqs, scale)
     _RUNTIMES.clear()  # one engine per process at a time (in-process test engines come one after another)
     _RUNTIMES[id(vllm_config)] = (vllm_config, rt)
     return rt

@@ -23,6 +23,9 @@ VLLM_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISK
 IMPLEMENTED_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISKV)
 """Modes that run on vLLM (all of ``VLLM_MODES``)."""
 
+VLLM_SCORES = ("quest", "minmax_mass")
+"""Block rankings the vLLM front end runs: the ones that read only the per-block summaries."""
+
 _SPECS = EngineConfig.options()
 
 
@@ -42,6 +45,10 @@ class VllmOptions:
     block_size: int = _default("block_size")
     """Also vLLM's KV block size (``engine_args`` sets it): vLLM's kernels take multiples of 16."""
     sink_blocks: int = _default("sink_blocks")
+    recent_blocks: int = _default("recent_blocks")
+    selection_score: str = _default("selection_score")
+    """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` is an embedded-engine study
+    setting)."""
     backend: str = _default("backend")
     measure_recall: bool = _default("measure_recall")
     """Host-pool modes: recall of each layer's prediction against the true next query's top-K (host round trips)."""
@@ -55,8 +62,12 @@ class VllmOptions:
         for f in fields(self):
             if f.name != "mode":
                 _SPECS[f.name].validate(getattr(self, f.name))
-        if self.sink_blocks >= self.top_k_blocks:
-            raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
+        if self.sink_blocks + self.recent_blocks >= self.top_k_blocks:
+            raise ValueError(f"sink_blocks + recent_blocks must be < top_k_blocks, got {self.sink_blocks} + "
+                             f"{self.recent_blocks} >= {self.top_k_blocks}")
+        if self.selection_score not in VLLM_SCORES:
+            raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
+                             f"{', '.join(VLLM_SCORES)} (attention reads every key: an embedded-engine study setting)")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
