@@ -84,33 +84,14 @@ def profile_mode(llm, a: argparse.Namespace, vocab: int, prompts: list[list[int]
     """In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): where a decode step's time goes. One generate under
     ``torch.cuda.set_sync_debug_mode('warn')`` (every host sync with the frames of ours that caused it), then one
     under torch.profiler (top ops by self CUDA and self CPU time, counts of synchronising CUDA calls)."""
-    import traceback
-    import warnings
-
-    import torch
     import vllm
 
     params = lambda n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     llm.generate(prompts, params(a.profile_tokens), use_tqdm=False)  # warm
-    syncs: dict[str, int] = {}
-    orig = warnings.showwarning
+    from profile_prefill import sync_sites  # bench/ is this script's directory
 
-    def record(message, category, filename, lineno, file=None, line=None):
-        ours = [f"{fr.filename.split('/')[-1]}:{fr.lineno} {fr.name}" for fr in traceback.extract_stack()
-                if "oasiskv_runtime" in fr.filename]
-        key = " <- ".join(reversed(ours[-4:])) or f"(vLLM) {filename.split('site/')[-1]}:{lineno}"
-        syncs[key] = syncs.get(key, 0) + 1
-
-    warnings.showwarning = record
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            llm.generate(prompts, params(a.profile_tokens), use_tqdm=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = orig
+    syncs = {where: n for n, where in sync_sites(lambda: llm.generate(prompts, params(a.profile_tokens),
+                                                                       use_tqdm=False))}
     from torch.profiler import ProfilerActivity, profile
 
     t = time.perf_counter()
@@ -127,7 +108,7 @@ def profile_mode(llm, a: argparse.Namespace, vocab: int, prompts: list[list[int]
     by_cpu = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:30]
     sync_calls = {e.key: e.count for e in ev if any(s in e.key for s in ("Synchronize", "cudaMemcpy ", "cudaMemcpy\0"))
                   or e.key in ("cudaMemcpy", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")}
-    return {"context": len(prompts[0]) + a.output_len, "tokens": a.profile_tokens,
+    return {"context": a.context[0], "tokens": a.profile_tokens,
             "step_ms_profiled": (tn - t1) * 1e3 / max(1, a.profile_tokens - 1),
             "host_syncs_one_generate": dict(sorted(syncs.items(), key=lambda kv: -kv[1])),
             "top_self_cuda": [fmt(e, cuda_attr) for e in by_cuda], "top_self_cpu": [fmt(e, "self_cpu_time_total")
