@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from oasiskv_runtime.config import Mode
-from oasiskv_runtime.vllm.options import CONFIG_KEY, IMPLEMENTED_MODES, VllmOptions
+from oasiskv_runtime.vllm.options import CONFIG_KEY, VllmOptions
 from oasiskv_runtime.vllm.version import UnsupportedVllmVersion, check_vllm_version
 
 __all__ = ["engine_args", "serve_flags", "speculative_config", "VllmOptions", "UnsupportedVllmVersion",
@@ -76,8 +76,6 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                        sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
                        recent_blocks=recent_blocks, selection_score=selection_score)
     parsed = opts.parsed_mode
-    if parsed not in IMPLEMENTED_MODES:
-        raise NotImplementedError(f"mode {parsed.value!r} is not implemented on vLLM")
     if draft == "auto":
         draft = "ngram" if parsed is Mode.OASISKV else None
     out: dict[str, Any] = {}

@@ -20,9 +20,6 @@ CONFIG_KEY = "oasiskv"
 VLLM_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISKV)
 """Modes the vLLM front end accepts (``fetch-on-demand`` is an embedded-engine baseline only)."""
 
-IMPLEMENTED_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISKV)
-"""Modes that run on vLLM (all of ``VLLM_MODES``)."""
-
 VLLM_SCORES = ("quest", "minmax_mass")
 """Block rankings the vLLM front end runs: the ones that read only the per-block summaries."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from oasiskv_runtime.vllm.options import IMPLEMENTED_MODES, VllmOptions
+from oasiskv_runtime.vllm.options import VllmOptions
 from oasiskv_runtime.vllm.version import check_vllm_version
 
 logger = logging.getLogger(__name__)
@@ -56,10 +56,6 @@ def _current_config() -> Any:
 
 def _enabled_backend(base_name: str, opts: VllmOptions) -> type:
     check_vllm_version()
-    if opts.parsed_mode not in IMPLEMENTED_MODES:
-        raise NotImplementedError(
-            f"OasisKV mode {opts.mode!r} is not implemented on vLLM yet (it needs the host-pool KV connector); "
-            "use 'sparse-resident' on vLLM, or the embedded engine (oasisbench --engine embedded)")
     from oasiskv_runtime.vllm.backend import oasiskv_backend
 
     return oasiskv_backend(_base(base_name))
