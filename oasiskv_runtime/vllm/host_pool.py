@@ -110,7 +110,7 @@ class HostPoolRuntime:
         self.kernels = KernelConfig(backend=backend)
         self.pipeline = LookaheadPipeline(self.head_map, self.predictor, self.transfer, self.stats, self.kernels,
                                           DebugConfig(measure_recall=opts.measure_recall))
-        self.cap = SparseConfig(top_k_blocks=k, fetch_ratio=opts.fetch_ratio).fetch_cap
+        self.cap = opts.sparse.fetch_cap
         """Admissions per (request, KV head) and layer per step."""
         self.row_of_block = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
         """Physical block -> state row of the running request whose first block it is (-1: none)."""

@@ -10,9 +10,10 @@ This module imports no vLLM: ``engine_args`` and the tests use it on machines wi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any
 
-from oasiskv_runtime.config import EngineConfig, Mode
+from oasiskv_runtime.config import EngineConfig, Mode, SparseConfig
 
 CONFIG_KEY = "oasiskv"
 """Key of our options in ``additional_config``."""
@@ -59,14 +60,18 @@ class VllmOptions:
         for f in fields(self):
             if f.name != "mode":
                 _SPECS[f.name].validate(getattr(self, f.name))
-        if self.sink_blocks + self.recent_blocks >= self.top_k_blocks:
-            raise ValueError(f"sink_blocks + recent_blocks must be < top_k_blocks, got {self.sink_blocks} + "
-                             f"{self.recent_blocks} >= {self.top_k_blocks}")
+        self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
                              f"{', '.join(VLLM_SCORES)} (attention reads every key: an embedded-engine study setting)")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
+
+    @cached_property
+    def sparse(self) -> SparseConfig:
+        """The embedded engine's algorithm section with these options: its checks and its ``fetch_cap``."""
+        return SparseConfig(top_k_blocks=self.top_k_blocks, fetch_ratio=self.fetch_ratio, sink_blocks=self.sink_blocks,
+                            recent_blocks=self.recent_blocks, selection_score=self.selection_score)
 
     @property
     def parsed_mode(self) -> Mode:
