@@ -276,7 +276,7 @@ def test_host_pool_runtime_rows_follow_requests():
 
     opts = VllmOptions(mode="oasiskv", top_k_blocks=4)
     rt = HostPoolRuntime(opts, num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=32, dtype=torch.float32,
-                         device=torch.device("cpu"), max_rows=3)
+                         device=torch.device("cpu"), max_rows=3, scale=8 ** -0.5)
     rt.apply(StepEvents(start=[("a", 5), ("b", 7)]))
     ra, rb = rt.head_map.rows["a"], rt.head_map.rows["b"]
     assert ra != rb and rt.scratch_row not in (ra, rb)

@@ -81,8 +81,8 @@ class HostPoolRuntime:
     """The OasisKV core of one vLLM worker in a host-pool mode (all layers)."""
 
     def __init__(self, opts: VllmOptions, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device, max_rows: int, scale: float | None = None) -> None:
-        scale = head_dim ** -0.5 if scale is None else scale  # attention's; minmax_mass ranks with it
+                 dtype: torch.dtype, device: torch.device, max_rows: int, scale: float) -> None:
+        """``scale``: the layers' attention scale (``minmax_mass`` ranks with it)."""
         self.opts, self.mode = opts, opts.parsed_mode
         if not self.mode.uses_host_pool:
             raise ValueError(f"mode {self.mode.value} keeps no host pool")
