@@ -268,8 +268,8 @@ class SparseConfig:
     selection_score: str = _opt(
         "quest", "What ranks the candidate blocks: quest (an upper bound of q.k from each block's key min/max), "
         "minmax_mass (an estimate of each block's attention mass from the same min/max, every mode; keeps more mass "
-        "offline but scored under quest on NIAH: docs/accuracy.md) or attention (the step's true softmax attention mass "
-        "on each block, summed over the GQA group: the exact top-K, a study ceiling; sparse-resident only).",
+        "offline but scored under quest on NIAH: docs/accuracy.md) or attention (the step's true softmax attention "
+        "mass on each block, summed over the GQA group: the exact top-K, a study ceiling; sparse-resident only).",
         "quest, minmax_mass or attention", lambda v: v in SELECTION_SCORES)
     dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
                              "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)

@@ -231,9 +231,9 @@ def test_dense_layers_option_and_sweep_reach_the_engine_as_leading_layers(tiny, 
                          sweep=("dense_layers", (0.0, 3.0)), top_k_blocks=8, output_dir=tmp_path)
     assert cfg.settings() == [("dense", {}), ("sparse-resident", {"dense_layers": 0}),
                               ("sparse-resident", {"dense_layers": 3})]
-    assert _engine_opts(cfg, {})["dense_layers"] == 2
-    assert _engine_opts(cfg, {"dense_layers": 3})["dense_layers"] == 3
-    assert _engine_opts(cfg, {"dense_layers": 0})["dense_layers"] == 0
+    assert _engine_opts(cfg, {}, "oasiskv")["dense_layers"] == 2
+    assert _engine_opts(cfg, {"dense_layers": 3}, "oasiskv")["dense_layers"] == 3
+    assert _engine_opts(cfg, {"dense_layers": 0}, "oasiskv")["dense_layers"] == 0
     for bad in (["--dense-layers", "-1"], ["--sweep", "dense_layers=0,99"]):
         r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "sparse-resident",
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})
@@ -249,7 +249,8 @@ def test_link_gbps_option_and_sweep_reach_the_engine(tiny, tmp_path):
     cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), link_gbps=5.0,
                          sweep=("link_gbps", (0.0, 20.0)), top_k_blocks=8, output_dir=tmp_path)
     assert cfg.settings() == [("dense", {}), ("oasiskv", {"link_gbps": 0.0}), ("oasiskv", {"link_gbps": 20.0})]
-    assert _engine_opts(cfg, {})["link_gbps"] == 5.0 and _engine_opts(cfg, {"link_gbps": 20.0})["link_gbps"] == 20.0
+    assert _engine_opts(cfg, {}, "oasiskv")["link_gbps"] == 5.0
+    assert _engine_opts(cfg, {"link_gbps": 20.0}, "oasiskv")["link_gbps"] == 20.0
     for bad in (["--link-gbps", "-1"], ["--sweep", "link_gbps=0,-3"]):
         r = runner.invoke(app, ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "oasiskv",
                                 *bad, "-o", str(tmp_path / "bad")], env={"COLUMNS": "400"})

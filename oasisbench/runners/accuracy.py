@@ -80,8 +80,8 @@ class AccuracyConfig:
     recent_blocks: int = 0
     """The last N full blocks every sparse mode always keeps (part of the top-K budget)."""
     selection_score: str = "quest"
-    """sparse-resident's ranking: ``quest`` (min/max summaries) or ``attention`` (true attention mass: the ceiling
-    of any block selection). The dense anchor runs without it."""
+    """How the sparse modes rank blocks (``SparseConfig.selection_score``): ``quest``, ``minmax_mass`` or
+    ``attention`` (sparse-resident only: the ceiling of any block selection). The dense anchor runs without it."""
     draft: str = "auto"
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
@@ -223,7 +223,7 @@ def _env(cfg: AccuracyConfig) -> dict[str, Any]:
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any], mode: str = "") -> dict[str, Any]:
+def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any], mode: str) -> dict[str, Any]:
     """The engine options of one setting: the run's, then the sweep's override."""
     opts = dict(top_k_blocks=cfg.top_k_blocks, fetch_ratio=cfg.fetch_ratio, link_gbps=cfg.link_gbps,
                 sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
@@ -237,7 +237,8 @@ def _engine_opts(cfg: AccuracyConfig, setting: dict[str, Any], mode: str = "") -
 def _engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
     from oasiskv_runtime import LLM
 
-    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, mode=mode, seed=cfg.seed, **_engine_opts(cfg, setting, mode))
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, mode=mode, seed=cfg.seed,
+              **_engine_opts(cfg, setting, mode))
     if llm.tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer (a random-weight preset): accuracy tasks need "
                          "text; use a real model such as smollm2-135m or a checkpoint directory")
