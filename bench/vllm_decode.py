@@ -1,8 +1,10 @@
 """Plain vLLM against vLLM with the OasisKV plug-in on the same requests: decode step time and greedy-token agreement.
 
-Each mode runs in its own process (one vLLM engine per process). The decode step is measured by difference: the
-same requests generate ``--output-len`` tokens, then 1 token (prefill only), both timed end to end; the step is
-``(T_full - T_prefill) / (output_len - 1)`` at the batch of all requests decoding together. Greedy tokens of each
+Each mode runs in its own process (one vLLM engine per process). The decode step is timed step by step: after a
+short warm-up, the requests are added to the engine and it is stepped by hand (``LLMEngine.step``; our engine's
+``step`` for the embedded modes); the steps in which every request decodes (all prefills done, none finished) are
+the window: the median step there, the output tokens per request per step (above 1 when vLLM accepts a draft) and
+their ratio, the time per output token (``decode_window``). Greedy tokens of each
 mode are kept, and the report gives each plug-in mode's agreement with plain vLLM (positions equal, and the mean
 length of the common prefix). Dummy weights at real shapes (RANDOM WEIGHTS: with near-uniform logits a bf16 rounding
 flips a greedy token easily, and everything after it differs).
@@ -39,20 +41,54 @@ def prompts_for(ctx: int, a: argparse.Namespace, vocab: int) -> list[list[int]]:
     return [torch.randint(10, vocab - 10, (ctx - a.output_len,), generator=g).tolist() for _ in range(a.batch)]
 
 
-def timed_points(a: argparse.Namespace, vocab: int, generate) -> list[dict]:
-    """Per context: ``output_len`` tokens, 1 token, ``output_len`` tokens again (the first run warms the shapes up);
-    the decode step by difference. ``generate(prompts, n) -> token lists``."""
+def decode_window(rows: list[tuple[float, list[int], list[int]]], n: int) -> dict:
+    """Summary of a stepped run: ``rows`` = per engine step (seconds since the previous step returned, output tokens
+    per request before it, after it); ``n`` = each request's output length.
+
+    The decode window is the steps that start with every request holding at least one output token (every prefill
+    done) and none finished: the whole batch decodes in them. ``decode_step_ms`` is their median duration;
+    ``tokens_per_step`` the output tokens per request per window step (above 1 when drafts are accepted);
+    ``ms_per_token`` = step / tokens per step, the time per output token of a request. ``prefill_s``: from the
+    start until every request has its first token."""
+    t, prefill_s, window = 0.0, None, []
+    for dt, before, after in rows:
+        t += dt
+        if prefill_s is None and min(after) >= 1:
+            prefill_s = t
+        if min(before) >= 1 and max(before) < n:
+            window.append((dt, sum(a - b for a, b in zip(after, before))))
+    out = {"prefill_s": prefill_s, "total_s": t, "steps": len(rows), "decode_steps": len(window)}
+    if window:
+        times = sorted(dt for dt, _ in window)
+        step = times[len(times) // 2] if len(times) % 2 else 0.5 * (times[len(times) // 2 - 1] + times[len(times) // 2])
+        per_req = sum(k for _, k in window) / (len(window) * len(rows[0][1]))
+        out.update(decode_step_ms=step * 1e3, decode_step_ms_mean=sum(times) / len(times) * 1e3,
+                   tokens_per_step=per_req, ms_per_token=step * 1e3 / per_req if per_req else None)
+    return out
+
+
+def stepped(step, lengths, done) -> list[tuple[float, list[int], list[int]]]:
+    """Drive an engine step by step: ``step()`` runs one, ``lengths()`` gives each request's output tokens so far,
+    ``done()`` says every request finished. Returns :func:`decode_window`'s rows."""
+    rows = []
+    before, prev = lengths(), time.perf_counter()
+    while not done():
+        step()
+        now = time.perf_counter()
+        after = lengths()
+        rows.append((now - prev, before, after))
+        before, prev = after, now
+    return rows
+
+
+def timed_points(a: argparse.Namespace, vocab: int, warm, run) -> list[dict]:
+    """Per context: a short warm-up (``warm(prompts, n)``: compiles kernels at small shapes), then one stepped run of
+    ``output_len`` tokens (``run(prompts, n) -> (rows, tokens)``), its decode window timed step by step."""
     points = []
     for ctx in a.context:
-        prompts = prompts_for(ctx, a, vocab)
-        timed = {}
-        for n in (a.output_len, 1, a.output_len):
-            t = time.perf_counter()
-            tokens = generate(prompts, n)
-            timed[n] = time.perf_counter() - t
-        step_ms = (timed[a.output_len] - timed[1]) * 1e3 / (a.output_len - 1)
-        points.append({"context": ctx, "batch": a.batch, "full_s": timed[a.output_len], "prefill_s": timed[1],
-                       "decode_step_ms": step_ms, "tokens": tokens})
+        warm(prompts_for(min(ctx, 2048), a, vocab)[: a.batch], 8)
+        rows, tokens = run(prompts_for(ctx, a, vocab), a.output_len)
+        points.append({"context": ctx, "batch": a.batch, **decode_window(rows, a.output_len), "tokens": tokens})
         print(json.dumps({k: v for k, v in points[-1].items() if k != "tokens"}), flush=True)
     return points
 
@@ -72,11 +108,16 @@ def embedded_mode(a: argparse.Namespace) -> dict:
     out = {"mode": a.mode, "engine_start_s": time.perf_counter() - t0}
     vocab = json.load(open(Path(a.model_dir) / "config.json"))["vocab_size"]
 
-    def generate(prompts, n):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return [list(r.token_ids) for r in llm.generate(prompts, params)]
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
-    out["points"] = timed_points(a, vocab, generate)
+    def run(prompts, n):
+        seqs = [llm.engine.add_request(p, params(n), request_id=f"t{i}") for i, p in enumerate(prompts)]
+        rows = stepped(llm.engine.step, lambda: [len(s.output_token_ids) for s in seqs],
+                       lambda: not llm.engine.has_unfinished())
+        return rows, [list(s.output_token_ids) for s in seqs]
+
+    out["points"] = timed_points(a, vocab, lambda p, n: llm.generate(p, params(n)), run)
     return out
 
 
@@ -141,12 +182,34 @@ def one_mode(a: argparse.Namespace) -> dict:
     drafting = a.mode == "oasiskv" if a.draft == "auto" else a.draft != "none"
     before = spec_decode_counts(llm) if drafting else None
 
-    def generate(prompts, n):
-        params = vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(r.outputs[0].token_ids) for r in res]
+    def params(n):
+        return vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
-    out["points"] = timed_points(a, vocab, generate)
+    def warm(prompts, n):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params(n), use_tqdm=False)
+
+    runs = iter(range(1 << 30))
+
+    def run(prompts, n):
+        eng, tag = llm.llm_engine, next(runs)
+        index: dict[str, int] = {}
+        for i, p in enumerate(prompts):
+            rid = f"r{tag}-{i}"
+            internal = eng.add_request(rid, {"prompt_token_ids": p}, params(n))
+            index[rid] = index[internal] = i  # outputs may carry either id
+        tokens: list[list[int]] = [[] for _ in prompts]
+        left = set(range(len(prompts)))
+
+        def step():
+            for o in eng.step():
+                i = index[o.request_id]
+                tokens[i] = list(o.outputs[0].token_ids)
+                if o.finished:
+                    left.discard(i)
+
+        return stepped(step, lambda: [len(t) for t in tokens], lambda: not left), tokens
+
+    out["points"] = timed_points(a, vocab, warm, run)
     if before is not None:
         out["acceptance"] = acceptance(before, spec_decode_counts(llm))
     if a.mode != "plain":  # the plug-in's own counters (traffic, fills, rows served sparse), summed over layers
@@ -228,7 +291,9 @@ def main() -> None:
             ref = anchor.get("points", [])[i] if i < len(anchor.get("points", [])) else None
             if ref is not None:
                 pt["agreement_with_dense"] = agreement(ref["tokens"], pt["tokens"])
-                pt["step_vs_dense"] = pt["decode_step_ms"] / ref["decode_step_ms"]
+                for key, name in (("decode_step_ms", "step_vs_dense"), ("ms_per_token", "token_ms_vs_dense")):
+                    if pt.get(key) and ref.get(key):
+                        pt[name] = pt[key] / ref[key]
             summary = {k: v for k, v in pt.items() if k != "tokens"}
             print(mode, json.dumps(summary), flush=True)
     Path(a.out).write_text(json.dumps(results, indent=1))

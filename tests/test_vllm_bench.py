@@ -229,3 +229,43 @@ def test_point_vllm_refuses_at_start_is_recorded_with_vllms_reason(vllm_run):
     # vLLM's engine core dies with the reason in its log; the frontend only says "see root cause above"
     cause = m["error"].partition("first error in vLLM's log")[2]
     assert "ValueError: " in cause and "cache" in cause.lower()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench/vllm_decode.py's step timing (no vLLM needed)
+# ---------------------------------------------------------------------------------------------------------------
+def _vllm_decode_module():
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("vllm_decode", Path(__file__).resolve().parents[1] / "bench" / "vllm_decode.py")
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_window_times_only_steps_where_every_request_decodes():
+    """Two requests, 6 tokens each: two prefill steps (the second request's first token comes a step later), then
+    decode steps of 2 tokens (an accepted draft) and one of 1; the steps after a request finished are left out."""
+    vd = _vllm_decode_module()
+    lens = [[0, 0], [1, 0], [2, 1], [4, 3], [6, 4], [6, 6]]
+    dts = [5.0, 4.0, 0.010, 0.012, 0.011, 0.003]
+    rows = [(dt, lens[i], lens[i + 1]) for i, dt in enumerate(dts[:len(lens) - 1])]
+    w = vd.decode_window(rows, 6)
+    assert w["prefill_s"] == pytest.approx(9.0) and w["steps"] == 5
+    # window: the steps starting at [2, 1] and [4, 3] (every request holds a token, none finished)
+    assert w["decode_steps"] == 2 and w["decode_step_ms"] == pytest.approx(11.0)
+    assert w["tokens_per_step"] == pytest.approx((4 + 3) / 4)
+    assert w["ms_per_token"] == pytest.approx(11.0 / 1.75)
+    assert "decode_step_ms" not in vd.decode_window(rows[:2], 6)  # no window: no step figures, no division by zero
+
+
+def test_stepped_drives_a_fake_engine_to_the_end():
+    vd = _vllm_decode_module()
+    state = {"n": [0, 0]}
+
+    def step():
+        state["n"] = [min(3, x + 1) for x in state["n"]]
+
+    rows = vd.stepped(step, lambda: list(state["n"]), lambda: state["n"] == [3, 3])
+    assert [(b, a) for _, b, a in rows] == [([0, 0], [1, 1]), ([1, 1], [2, 2]), ([2, 2], [3, 3])]
+    assert all(dt >= 0 for dt, _, _ in rows)
