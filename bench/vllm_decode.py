@@ -86,7 +86,7 @@ def timed_points(a: argparse.Namespace, vocab: int, warm, run) -> list[dict]:
     ``output_len`` tokens (``run(prompts, n) -> (rows, tokens)``), its decode window timed step by step."""
     points = []
     for ctx in a.context:
-        warm(prompts_for(min(ctx, 2048), a, vocab)[: a.batch], 8)
+        warm(prompts_for(max(64, min(ctx, 2048) // 2), a, vocab), 8)  # other prompts: no prefix-cache hit
         rows, tokens = run(prompts_for(ctx, a, vocab), a.output_len)
         points.append({"context": ctx, "batch": a.batch, **decode_window(rows, a.output_len), "tokens": tokens})
         print(json.dumps({k: v for k, v in points[-1].items() if k != "tokens"}), flush=True)
@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="instead of timing: per mode, one in-process engine, "
                     "host syncs and a torch.profiler summary of a generate at the first context")
     ap.add_argument("--profile-tokens", type=int, default=16)
+    ap.add_argument("--host-timers", action="store_true", help="the plug-in accounts its host time per phase "
+                    "(OASISKV_HOST_TIMERS=1; plugin_stats.host_ms; a few microseconds per layer)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
     ap.add_argument("--out", default="vllm-decode.json")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # the child: JSON args
@@ -271,6 +273,8 @@ def main() -> None:
                      profile_tokens=a.profile_tokens, preset=a.model)
         try:
             env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function
+            if a.host_timers:
+                env["OASISKV_HOST_TIMERS"] = "1"
             if a.profile:  # the engine core in this process: the profiler and the sync check see its steps
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             p = subprocess.run([sys.executable, __file__, "--one", json.dumps(child)], capture_output=True, text=True,

@@ -870,6 +870,25 @@ def test_unsupported_features_read_both_vllm_layouts_of_no_window():
                                                 attn_type="encoder")) == ["alibi_slopes", "logits_soft_cap",
                                                                           "attn_type=encoder"]
 
+def test_host_timers_account_phases_by_step_kind_only_when_asked(monkeypatch):
+    from oasiskv_runtime.vllm.backend import HOST_TIMERS_ENV, HostTimers
+
+    monkeypatch.delenv(HOST_TIMERS_ENV, raising=False)
+    off = HostTimers()
+    with off.phase("decode", False):
+        pass
+    assert off.totals == {}
+    monkeypatch.setenv(HOST_TIMERS_ENV, "1")
+    on = HostTimers()
+    for mixed in (False, False, True):
+        with on.phase("decode", mixed):
+            sum(range(1000))
+    with pytest.raises(ZeroDivisionError), on.phase("write", False):  # a phase that raises is still accounted
+        1 / 0
+    assert {k: v[1] for k, v in on.totals.items()} == {"decode:decode": 2, "decode:mixed": 1, "write:decode": 1}
+    assert all(v[0] > 0 for v in on.totals.values())
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("mode", ["oasiskv", "proxy-prefetch"])

@@ -21,8 +21,11 @@ oasiskv) the ``Impl`` hands its layer to the worker's shared :class:`~oasiskv_ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,38 @@ _PER_REQUEST = ("seq_lens", "block_table_tensor", "seq_lens_cpu_upper_bound", "i
                 "_seq_lens_cpu", "_num_computed_tokens_cpu")
 _PER_TOKEN = ("slot_mapping", "positions")
 _CACHES = ("_num_computed_tokens_cache", "_token_to_req_indices_cache")
+
+
+HOST_TIMERS_ENV = "OASISKV_HOST_TIMERS"
+"""Set to 1 to account the host (Python + launch) time of each layer's phases (:class:`HostTimers`)."""
+
+
+class HostTimers:
+    """Host time per phase of a layer's forward, split by step kind (``decode``: only decode rows; ``mixed``: the
+    step also prefills), summed in ms with the call counts. The forward has no host sync in decode steps, so this is
+    the Python and kernel-launch cost the GPU does not hide (what a full CUDA graph would remove). Off unless
+    ``OASISKV_HOST_TIMERS=1``: then :func:`collect_stats` reports ``host_ms``."""
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get(HOST_TIMERS_ENV) == "1"
+        self.totals: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, mixed: bool):
+        if not self.enabled:
+            yield
+            return
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            cell = self.totals.setdefault(f"{name}:{'mixed' if mixed else 'decode'}", [0.0, 0])
+            cell[0] += (time.perf_counter() - t) * 1e3
+            cell[1] += 1
+
+
+BUILD_TIMERS = HostTimers()
+"""The metadata builders' host time (once per step and KV-cache group)."""
 
 
 def kv_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,6 +226,10 @@ class OasisKVBuilderMixin:
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         if self.oasiskv is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        with BUILD_TIMERS.phase("build", common_attn_metadata.max_query_len > 2):  # > [token, draft]: prefill rows
+            return self._build(common_prefix_len, common_attn_metadata, fast_build)
+
+    def _build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool):
         common = common_attn_metadata
         num_decodes = self._split(common)
         rest = common.num_reqs > num_decodes
@@ -258,6 +297,7 @@ class OasisKVImplMixin:
         """Over this layer's key summaries (made with them at the first real step)."""
         self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
         """Counters read by :func:`collect_stats` (device tensors: no host sync per layer)."""
+        self.timers = HostTimers()
         bad = unsupported_features(self)
         if bad:
             raise ValueError(f"OasisKV on vLLM supports plain causal decoder (GQA) attention; this layer uses {bad}")
@@ -294,16 +334,20 @@ class OasisKVImplMixin:
         k_cache, v_cache = kv_views(kv_cache, self.kv_layout, self.head_size)
         if self.host_pool:
             return self._host_pool_forward(layer, query, key, value, kv_cache, k_cache, v_cache, meta, output)
+        mixed, phase = meta.inner is not None, self.timers.phase
         predictor = self._layer_predictor(k_cache)
         runs = plan.runs
         if runs is not None:  # vLLM has written this step's KV: rebuild the touched blocks' summaries from it
-            rows = k_cache.index_select(0, runs.blocks).flatten(0, 1)
-            predictor.summaries.update(0, rows, SummaryWrites(runs=(runs.pad_idx, runs.blocks, runs.reset)))
+            with phase("summaries", mixed):
+                rows = k_cache.index_select(0, runs.blocks).flatten(0, 1)
+                predictor.summaries.update(0, rows, SummaryWrites(runs=(runs.pad_idx, runs.blocks, runs.reset)))
         nd = plan.num_decode_tokens
         if meta.inner is not None:
-            super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
+            with phase("vllm_attention", mixed):
+                super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
         if plan.batch is not None:
-            self._sparse_decode(plan.batch, query, key, value, k_cache, v_cache, predictor, output)
+            with phase("sparse_decode", mixed):
+                self._sparse_decode(plan.batch, query, key, value, k_cache, v_cache, predictor, output)
         return output
 
     def _host_pool_forward(self, layer, query, key, value, kv_cache, k_cache, v_cache, meta: OasisKVMetadata,
@@ -314,17 +358,23 @@ class OasisKVImplMixin:
 
         rt = self.runtime = runtime_for(self._vllm_config, self.oasiskv, k_cache, k_cache.dtype, self.scale)
         plan = meta.plan
+        mixed, phase = meta.inner is not None, self.timers.phase
         if rt.cur is None or rt.cur.plan is not plan:  # this step's first layer
-            rt.begin_step(plan, connector_events()[1], meta.common)
+            with phase("begin_step", mixed):  # once per step: counted per layer call (in the first layer's)
+                rt.begin_step(plan, connector_events()[1], meta.common)
         li = layer_index(layer.layer_name)
-        rt.write(li, key, value, k_cache)
+        with phase("write", mixed):
+            rt.write(li, key, value, k_cache)
         nd = plan.num_decode_tokens
         if meta.inner is not None:
-            super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
+            with phase("vllm_attention", mixed):
+                super().forward(layer, query[nd:], key[nd:], value[nd:], kv_cache, meta.inner, output[nd:])
         if plan.batch is not None:
-            rt.decode(li, query, key, value, k_cache, v_cache, self.scale, output)
-            self._count(plan.batch)
-        rt.after_attention(li, query, k_cache, v_cache)
+            with phase("decode", mixed):
+                rt.decode(li, query, key, value, k_cache, v_cache, self.scale, output)
+                self._count(plan.batch)
+        with phase("after_attention", mixed):
+            rt.after_attention(li, query, k_cache, v_cache)
         return output
 
     def _sparse_decode(self, b: DecodeBatch, query, key, value, k_cache, v_cache, predictor: Predictor,
@@ -364,6 +414,7 @@ def collect_stats(model: torch.nn.Module) -> dict:
     ``draft_rows``: those with a draft row (a verify step's ``[token, draft]``); ``sparse_rows``: those with more
     candidate blocks than ``top_k_blocks`` (where selection actually dropped blocks). Summed over layers."""
     out: dict = {"layers": 0, "decode_steps": 0, "decode_rows": 0, "draft_rows": 0, "sparse_rows": 0, "impls": []}
+    host: dict[str, list[float]] = {}
     runtimes = []
     for module in model.modules():
         impl = getattr(module, "impl", None)
@@ -374,9 +425,22 @@ def collect_stats(model: torch.nn.Module) -> dict:
         out["layers"] += 1
         for name, v in impl.stats.items():
             out[name] += int(v) if v is not None else 0
+        for name, (ms, calls) in impl.timers.totals.items():
+            cell = host.setdefault(name, [0.0, 0])
+            cell[0] += ms
+            cell[1] += calls
         rt = getattr(impl, "runtime", None)
         if rt is not None and all(rt is not r for r in runtimes):
             runtimes.append(rt)
+    if host:  # per phase: total host ms over all layers, layer calls, and ms per step (calls / layers steps)
+        for name, (ms, calls) in BUILD_TIMERS.totals.items():  # once per step, in the builder
+            host[name] = [ms, calls]
+        for name, cell in host.items():  # once-per-step phases count as every layer's call of that step
+            if name.startswith(("build", "begin_step")):
+                cell[1] *= max(1, out["layers"])
+        out["host_ms"] = {name: {"total_ms": round(ms, 3), "layer_calls": calls,
+                                 "ms_per_step": round(ms * out["layers"] / calls, 4)}
+                          for name, (ms, calls) in sorted(host.items())}
     if runtimes:  # host-pool modes: one runtime per worker
         with torch.inference_mode():
             out["oasiskv"] = runtimes[0].run_stats()
