@@ -34,11 +34,12 @@ from oasiskv_runtime.vllm.models import vllm_model
 
 
 def prompts_for(ctx: int, a: argparse.Namespace, vocab: int) -> list[list[int]]:
-    """The same seeded random prompts for every mode and engine."""
+    """The same seeded random prompts for every mode and engine (prompt + :func:`run_length` tokens = ``ctx``)."""
     import torch
 
     g = torch.Generator().manual_seed(ctx)
-    return [torch.randint(10, vocab - 10, (ctx - a.output_len,), generator=g).tolist() for _ in range(a.batch)]
+    n = max(1, ctx - run_length(a, ctx))
+    return [torch.randint(10, vocab - 10, (n,), generator=g).tolist() for _ in range(a.batch)]
 
 
 def decode_window(rows: list[tuple[float, list[int], list[int]]], n: int) -> dict:
@@ -81,14 +82,24 @@ def stepped(step, lengths, done) -> list[tuple[float, list[int], list[int]]]:
     return rows
 
 
+def run_length(a: argparse.Namespace, ctx: int) -> int:
+    """Output tokens each request is asked for: ``output_len`` decode steps of the whole batch, plus what the first
+    requests decode while the last ones still prefill (chunked prefill: ``batch * ctx / batched_tokens`` steps, two
+    tokens a step with accepted drafts). Without the margin, at 32K x 16 the first requests finish before the last
+    one's first token, and no step has the whole batch decoding."""
+    return a.output_len + 2 * -(-a.batch * ctx // a.batched_tokens) + 2
+
+
 def timed_points(a: argparse.Namespace, vocab: int, warm, run) -> list[dict]:
-    """Per context: a short warm-up (``warm(prompts, n)``: compiles kernels at small shapes), then one stepped run of
-    ``output_len`` tokens (``run(prompts, n) -> (rows, tokens)``), its decode window timed step by step."""
+    """Per context: a short warm-up (``warm(prompts, n)``: compiles kernels at small shapes), then one stepped run
+    (``run(prompts, n) -> (rows, tokens, extra fields)``) of :func:`run_length` tokens, its decode window timed step by step."""
     points = []
     for ctx in a.context:
         warm(prompts_for(max(64, min(ctx, 2048) // 2), a, vocab), 8)  # other prompts: no prefix-cache hit
-        rows, tokens = run(prompts_for(ctx, a, vocab), a.output_len)
-        points.append({"context": ctx, "batch": a.batch, **decode_window(rows, a.output_len), "tokens": tokens})
+        n = run_length(a, ctx)
+        rows, tokens, extra = run(prompts_for(ctx, a, vocab), n)
+        points.append({"context": ctx, "batch": a.batch, "output_tokens": n, **decode_window(rows, n), **extra,
+                       "tokens": tokens})
         print(json.dumps({k: v for k, v in points[-1].items() if k != "tokens"}), flush=True)
     return points
 
@@ -115,7 +126,7 @@ def embedded_mode(a: argparse.Namespace) -> dict:
         seqs = [llm.engine.add_request(p, params(n), request_id=f"t{i}") for i, p in enumerate(prompts)]
         rows = stepped(llm.engine.step, lambda: [len(s.output_token_ids) for s in seqs],
                        lambda: not llm.engine.has_unfinished())
-        return rows, [list(s.output_token_ids) for s in seqs]
+        return rows, [list(s.output_token_ids) for s in seqs], {}
 
     out["points"] = timed_points(a, vocab, lambda p, n: llm.generate(p, params(n)), run)
     return out
@@ -187,6 +198,10 @@ def one_mode(a: argparse.Namespace) -> dict:
 
     def warm(prompts, n):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params(n), use_tqdm=False)
+        if a.host_timers and a.mode != "plain":  # the timed run's host time only (not the kernels' compilation)
+            from oasiskv_runtime.vllm.backend import reset_host_timers
+
+            llm.apply_model(reset_host_timers)
 
     runs = iter(range(1 << 30))
 
@@ -207,7 +222,13 @@ def one_mode(a: argparse.Namespace) -> dict:
                 if o.finished:
                     left.discard(i)
 
-        return stepped(step, lambda: [len(t) for t in tokens], lambda: not left), tokens
+        rows = stepped(step, lambda: [len(t) for t in tokens], lambda: not left)
+        extra = {}
+        if a.host_timers and a.mode != "plain":  # this run's host time per phase (reset after the warm-up)
+            from oasiskv_runtime.vllm.backend import collect_stats
+
+            extra["host_ms"] = llm.apply_model(collect_stats)[0].get("host_ms")
+        return rows, tokens, extra
 
     out["points"] = timed_points(a, vocab, warm, run)
     if before is not None:
@@ -270,7 +291,7 @@ def main() -> None:
         child = dict(mode=mode, model_dir=mdir, batch=a.batch, context=[int(x) for x in a.context.split(",")],
                      output_len=a.output_len, top_k=a.top_k, kv_gb=a.kv_gb, batched_tokens=a.batched_tokens,
                      device=a.device, dtype=a.dtype, draft=a.draft, profile=a.profile,
-                     profile_tokens=a.profile_tokens, preset=a.model)
+                     profile_tokens=a.profile_tokens, preset=a.model, host_timers=a.host_timers)
         try:
             env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function
             if a.host_timers:

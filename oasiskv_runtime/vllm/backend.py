@@ -447,6 +447,19 @@ def collect_stats(model: torch.nn.Module) -> dict:
     return out
 
 
+def reset_host_timers(model: torch.nn.Module) -> int:
+    """Zero every layer's and the builders' :class:`HostTimers` (run in the worker after a warm-up:
+    ``llm.apply_model(reset_host_timers)``, so kernel compilation is not counted). Returns the layers reset."""
+    BUILD_TIMERS.totals.clear()
+    n = 0
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if isinstance(impl, OasisKVImplMixin):
+            impl.timers.totals.clear()
+            n += 1
+    return n
+
+
 def configure(model: torch.nn.Module, **options) -> dict:
     """Change a running host-pool engine's options between requests (run in the worker:
     ``llm.apply_model(functools.partial(configure, mode="proxy-prefetch"))``): ``mode`` (proxy-prefetch <->
