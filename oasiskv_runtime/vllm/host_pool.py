@@ -93,6 +93,8 @@ class HostPoolRuntime:
         host = PagedKVCache(num_layers, num_blocks, bs, num_kv_heads, head_dim, dtype, "cpu",
                             pin_memory=device.type == "cuda", zero=False)
         self.pool = HostKVPool(host)
+        self.host_pool_bytes = sum(t.numel() * t.element_size() for t in host.k + host.v)
+        """This worker's pinned pool: its KV heads only under tensor parallelism (each rank keeps its own)."""
         self.scratch_row = max_rows
         """A row no request owns: decode-shaped rows whose request has no state row (never, with the connector's
         events) point there rather than at another request's row."""
@@ -326,7 +328,8 @@ class HostPoolRuntime:
                    gap_rows=int(c["gap_rows"]) if c["gap_rows"] is not None else 0,
                    max_step_cap_bytes=c["step_cap_blocks"] * unit,
                    max_step_bytes_over_cap=int(self._cap_excess) * unit,
-                   running_requests=len(self.first))
+                   running_requests=len(self.first), kv_heads=self.head_map.slot_map.shape[2],
+                   host_pool_bytes=self.host_pool_bytes)
         return out
 
     def reset_counters(self) -> None:
