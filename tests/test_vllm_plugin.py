@@ -1006,3 +1006,26 @@ def test_oasiskv_small_budget_on_smollm2(smollm2_dir):
     keys = ("fetch_cap", "fetched_bytes_per_step", "max_fetched_bytes_per_step", "max_step_cap_bytes",
             "deferred_blocks_per_step", "initial_fill_bytes", "prediction_recall", "gap_rows", "steps")
     print(f"\nSmolLM2 oasiskv top-K 8: {({k: host[k] for k in keys})}, acceptance {acc}, texts {run['text']}")
+
+
+@pytest.mark.vllm
+def test_oasiskv_with_the_shipped_eagle3_head_on_smollm2(smollm2_dir):
+    """``draft="eagle3:<dir>"`` with the EAGLE-3 head we ship for SmolLM2: vLLM's own EAGLE-3 proposer (its draft
+    layer attends densely through vLLM's backend) makes the look-ahead row; oasiskv at 8 blocks runs, its drafts are
+    accepted, it fetches within the cap and reports recall."""
+    from pathlib import Path
+
+    from oasiskv_runtime.vllm import engine_args
+
+    head = Path(__file__).resolve().parents[1] / "oasiskv_runtime" / "drafts" / "heads" / "smollm2-135m"
+    engine = dict(dtype="float32", max_model_len=1024, max_num_seqs=4, enforce_eager=True, max_num_batched_tokens=256,
+                  kv_cache_memory_bytes=96 << 20, seed=0)
+    run = _run_engine(smollm2_dir, prompts=_fact_prompts(), engine=engine,
+                      **engine_args(mode="oasiskv", top_k_blocks=8, draft=f"eagle3:{head}", measure_recall=True))[0]
+    host, acc = run["stats"]["oasiskv"], run["acceptance"]
+    assert run["stats"]["layers"] == 30 and host["fills"] == 2  # the target's layers only: the head's is vLLM's
+    assert acc["drafts"] > 0 and acc["accepted_tokens"] > 0
+    assert host["fetched_bytes_per_step"] > 0 and host["max_step_bytes_over_cap"] == 0
+    assert host["prediction_recall"] is not None and 0.0 < host["prediction_recall"] <= 1.0
+    print(f"\nSmolLM2 oasiskv top-K 8, EAGLE-3 head: acceptance {acc}, recall {host['prediction_recall']:.3f}, "
+          f"texts {run['text']}")
