@@ -269,3 +269,17 @@ def test_stepped_drives_a_fake_engine_to_the_end():
     rows = vd.stepped(step, lambda: list(state["n"]), lambda: state["n"] == [3, 3])
     assert [(b, a) for _, b, a in rows] == [([0, 0], [1, 1]), ([1, 1], [2, 2]), ([2, 2], [3, 3])]
     assert all(dt >= 0 for dt, _, _ in rows)
+
+
+def test_moe_preset_is_qwen3_attention_with_routed_experts(tmp_path):
+    """``qwen3-30b-a3b`` exists for vLLM only (the embedded engine has no MoE): Qwen3-30B-A3B's published shapes."""
+    from oasiskv_runtime.vllm.models import vllm_model
+
+    model = vllm_model("qwen3-30b-a3b", tmp_path)
+    cfg = json.loads((model.path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["model_type"] == "qwen3_moe"
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        48, 32, 4, 128)
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], cfg["hidden_size"]) == (
+        128, 8, 768, 2048)
+    assert model.llm_kwargs == {"load_format": "dummy"} and model.random_weights

@@ -802,7 +802,9 @@ def engines(tmp_path_factory):
     from oasiskv_runtime.vllm import engine_args
 
     shapes = {"llama": dict(num_attention_heads=9, num_key_value_heads=3, head_dim=80, num_hidden_layers=3),
-              "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3)}
+              "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3),
+              # Qwen3-30B-A3B's architecture (routed experts in every layer; attention is Qwen3's GQA)
+              "qwen3_moe": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3)}
     cache: dict = {}
 
     def model_dir(arch: str):
@@ -834,7 +836,7 @@ def engines(tmp_path_factory):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_sparse_resident_covering_topk_equals_plain_vllm(engines, arch):
     plain, ours = engines(arch, "plain"), engines(arch, "sparse")
     n = len(SHORT)
@@ -896,7 +898,7 @@ def test_host_timers_account_phases_by_step_kind_only_when_asked(monkeypatch):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("mode", ["oasiskv", "proxy-prefetch"])
 def test_host_pool_modes_covering_topk_equal_plain_vllm(engines, arch, mode):
     """proxy-prefetch and oasiskv on one engine (oasiskv first, then switched): the prompts whose context top-K

