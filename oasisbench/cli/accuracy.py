@@ -130,7 +130,7 @@ def accuracy_cmd(
     seed: SeedOpt = 0,
     engine: Annotated[str, typer.Option(
         "--engine", help="Whose generations are scored: embedded (our engine) or vllm (dense: plain vLLM; other "
-        "modes: vLLM with the OasisKV plug-in; NIAH tasks only; options the plug-in lacks, e.g. --recent-blocks, are "
+        "modes: vLLM with the OasisKV plug-in; NIAH tasks only; options the plug-in lacks, e.g. --dense-layers, are "
         "refused). Deltas compare each mode with the same engine's dense.")] = "embedded",
     list_only: Annotated[bool, typer.Option("--list-tasks", help="List tasks, data sources and whether data is "
                                             "here, then exit.")] = False,
