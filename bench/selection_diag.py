@@ -76,10 +76,9 @@ def main() -> None:
     ap.add_argument("--sink-blocks", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=12)
     args = ap.parse_args()
-    from oasiskv_runtime import LLM, SamplingParams
-
     from oasisbench.accuracy import tasks as T
     from oasisbench.accuracy.niah import encode_prompt, string_match_all
+    from oasiskv_runtime import LLM, SamplingParams
 
     torch.set_num_threads(1)
     k = args.top_k_blocks
@@ -110,8 +109,8 @@ def main() -> None:
             ids = encode_prompt(llm.tokenizer, smp.prompt, smp.use_chat_template)
             out = llm.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))[0]
             scores.append(string_match_all(out.text, smp.answers))
-    mean = lambda v: sum(v) / max(1, len(v))                                                     # noqa: E731
-    pct = lambda v, f: sorted(v)[int(f * (len(v) - 1))]                                          # noqa: E731
+    mean = lambda v: sum(v) / max(1, len(v))
+    pct = lambda v, f: sorted(v)[int(f * (len(v) - 1))]
     print(f"drive {args.drive}, sink_blocks {args.sink_blocks}, K {k}, {len(scores)} prompts, "
           f"{args.max_tokens} tokens: NIAH {100 * mean(scores):.1f} (partial answers at this length)")
     print("| ranking | mass vs exact | block 0 kept | needle recall | out_err mean | out_err p90 | out_err p99 |")
