@@ -243,8 +243,11 @@ class CacheConfig:
         _validate(self)
 
 
-SELECTION_SCORES = ("quest", "minmax_mass", "attention")
+SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss")
 """What ranks candidate blocks (``SparseConfig.selection_score``)."""
+
+FULL_KEY_SCORES = ("attention", "gauss")
+"""Study rankings that read every candidate block's keys at every step (the full KV must be on the device)."""
 
 
 @dataclass(frozen=True)
@@ -268,9 +271,11 @@ class SparseConfig:
     selection_score: str = _opt(
         "quest", "What ranks the candidate blocks: quest (an upper bound of q.k from each block's key min/max), "
         "minmax_mass (an estimate of each block's attention mass from the same min/max, every mode; keeps more mass "
-        "offline but scored under quest on NIAH: docs/accuracy.md) or attention (the step's true softmax attention "
-        "mass on each block, summed over the GQA group: the exact top-K, a study ceiling; sparse-resident only).",
-        "quest, minmax_mass or attention", lambda v: v in SELECTION_SCORES)
+        "offline but scored under quest on NIAH: docs/accuracy.md), attention (the step's true softmax attention "
+        "mass on each block, summed over the GQA group: the exact top-K, a study ceiling; sparse-resident only) or "
+        "gauss (the Gaussian log-mass of each block's key mean and variance, computed from every key at every step: a "
+        "study of summaries the engine does not keep; sparse-resident only).",
+        "quest, minmax_mass, attention or gauss", lambda v: v in SELECTION_SCORES)
     dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
                              "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)
     link_gbps: float = _opt(
@@ -292,9 +297,9 @@ class SparseConfig:
 
     def check_mode(self, mode: Mode) -> None:
         """The options that apply to some modes only (checked by ``EngineConfig`` and on a running engine)."""
-        if self.selection_score == "attention" and mode is not Mode.SPARSE_RESIDENT:
-            raise ValueError(f"selection_score='attention' needs mode sparse-resident (it reads every candidate key "
-                             f"at every step, so the full KV must be on the device), not {mode.value}")
+        if self.selection_score in FULL_KEY_SCORES and mode is not Mode.SPARSE_RESIDENT:
+            raise ValueError(f"selection_score={self.selection_score!r} needs mode sparse-resident (it reads every "
+                             f"candidate key at every step, so the full KV must be on the device), not {mode.value}")
 
     @property
     def fetch_cap(self) -> int:

@@ -80,8 +80,9 @@ class AccuracyConfig:
     recent_blocks: int = 0
     """The last N full blocks every sparse mode always keeps (part of the top-K budget)."""
     selection_score: str = "quest"
-    """How the sparse modes rank blocks (``SparseConfig.selection_score``): ``quest``, ``minmax_mass`` or
-    ``attention`` (sparse-resident only: the ceiling of any block selection). The dense anchor runs without it."""
+    """How the sparse modes rank blocks (``SparseConfig.selection_score``): ``quest``, ``minmax_mass``,
+    ``attention`` (sparse-resident only: the ceiling of any block selection) or ``gauss`` (sparse-resident only: a
+    study of a mean-and-variance ranking). The dense anchor runs without it."""
     draft: str = "auto"
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256

@@ -34,7 +34,7 @@ def plan_setting(model: str, device: str, dtype: str, seed: int, mode: str, opts
                  max_model_len: int) -> Any:
     """The :class:`~oasisbench.runners.vllm_point.VllmPlan` of one accuracy setting (``opts``: its engine options),
     checked without vLLM: an option the vLLM front end does not have (``dense_layers``, ``link_gbps``,
-    ``selection_score=attention``, ...) raises ``ValueError`` naming it."""
+    ``selection_score=attention`` or ``gauss``, ...) raises ``ValueError`` naming it."""
     from oasisbench.runners.vllm_point import plan_vllm_point
 
     engine_opts = {k: v for k, v in opts.items() if k not in ("max_num_seqs", "kv_cache_gb")}

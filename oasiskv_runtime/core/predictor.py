@@ -11,6 +11,9 @@ no summary-based selection can beat): it reads the full keys through ``batch.pri
 the device (sparse-resident); ``keys`` are the per-layer key caches that table indexes.
 ``selection_score="minmax_mass"`` ranks by an estimate of that mass from the same min/max summaries
 (:func:`minmax_mass_scores`, attention's ``scale`` included), so it runs in every mode.
+``selection_score="gauss"`` ranks by the Gaussian log-mass of each block's key mean and variance
+(:func:`gauss_mass_scores`), computed from the full keys like ``attention`` (a study of a ranking whose summaries the
+engine does not keep): sparse-resident only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from oasiskv_runtime.core.batch import DecodeBatch
 from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.attention_mass import block_attention_mass
+from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
 from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_scores, rank_topk
 
 
@@ -31,7 +35,8 @@ class Predictor:
         self.sink_blocks, self.recent_blocks, self.backend = sink_blocks, recent_blocks, backend
         self.selection_score, self.keys, self.scale = selection_score, keys, scale
         """``keys``: per layer ``[num_blocks, block_size, Hkv, D]`` (what ``primary_table`` indexes), read by
-        ``selection_score="attention"`` only; attention's ``scale``, read by ``attention`` and ``minmax_mass``."""
+        ``selection_score="attention"`` and ``"gauss"`` only; attention's ``scale``, read by every score but
+        ``quest``."""
 
     def predict(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
                 int32: bool = False) -> torch.Tensor:
@@ -45,6 +50,9 @@ class Predictor:
         if self.selection_score == "attention":
             scores = block_attention_mass(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
                                           self.scale, max_candidates)
+        elif self.selection_score == "gauss":
+            scores = gauss_mass_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
+                                       self.scale, max_candidates)
         elif self.selection_score == "minmax_mass":
             sum_min, sum_max = self.summaries.read(layer)
             scores = minmax_mass_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,

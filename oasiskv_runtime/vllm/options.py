@@ -45,8 +45,8 @@ class VllmOptions:
     sink_blocks: int = _default("sink_blocks")
     recent_blocks: int = _default("recent_blocks")
     selection_score: str = _default("selection_score")
-    """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` is an embedded-engine study
-    setting)."""
+    """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` and ``gauss`` are
+    embedded-engine study settings)."""
     backend: str = _default("backend")
     measure_recall: bool = _default("measure_recall")
     """Host-pool modes: recall of each layer's prediction against the true next query's top-K (host round trips)."""
@@ -63,7 +63,8 @@ class VllmOptions:
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
-                             f"{', '.join(VLLM_SCORES)} (attention reads every key: an embedded-engine study setting)")
+                             f"{', '.join(VLLM_SCORES)} (attention and gauss read every key: embedded-engine study "
+                             f"settings)")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
