@@ -66,15 +66,18 @@ class HostTimers:
     the Python and kernel-launch cost the GPU does not hide (what a full CUDA graph would remove). Off unless
     ``OASISKV_HOST_TIMERS=1``: then :func:`collect_stats` reports ``host_ms``."""
 
+    _OFF = contextlib.nullcontext()
+
     def __init__(self) -> None:
         self.enabled = os.environ.get(HOST_TIMERS_ENV) == "1"
         self.totals: dict[str, list[float]] = {}
 
-    @contextlib.contextmanager
     def phase(self, name: str, mixed: bool):
-        if not self.enabled:
-            yield
-            return
+        """A context timing ``name``; when off, a shared no-op context (no generator made per layer call)."""
+        return self._timed(name, mixed) if self.enabled else self._OFF
+
+    @contextlib.contextmanager
+    def _timed(self, name: str, mixed: bool):
         t = time.perf_counter()
         try:
             yield
