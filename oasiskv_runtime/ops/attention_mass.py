@@ -23,7 +23,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_attention_mass"]
+__all__ = ["block_attention_mass", "candidate_blocks"]
+
+
+def candidate_blocks(q: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor, num_kv_heads: int,
+                     max_candidates: int | None) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """What a scorer reading every candidate block's keys needs: ``(g, J, ok, blocks)``, the GQA group size, the
+    candidate width (``max_candidates``, or read from the device when None), ``ok`` ``[B, J]`` (column ``j`` is a
+    candidate of request ``b``) and ``blocks`` ``[B, J]`` int64, the cache block of each (block 0 for padding)."""
+    B, Hq, _ = q.shape
+    hkv = int(num_kv_heads)
+    if Hq % hkv:
+        raise ValueError(f"Hq={Hq} not a multiple of Hkv={hkv}")
+    J = int(max_candidates) if max_candidates is not None else int(num_candidates.max()) if B else 0
+    dev = q.device
+    j = torch.arange(J, device=dev)
+    ok = j.view(1, J) < num_candidates.to(dev, torch.int64).view(B, 1)                      # [B, J]
+    blocks = block_table.to(dev, torch.int64)[:, j.clamp_max(block_table.shape[1] - 1)]
+    blocks = torch.where(ok, blocks, torch.zeros_like(blocks)).clamp_min(0)              # padding reads block 0
+    return Hq // hkv, J, ok, blocks
 
 
 def block_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -35,19 +53,11 @@ def block_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
     ``block_table``: ``[B, NB]`` the cache block holding each logical block; ``num_candidates``: ``[B]``;
     ``max_candidates``: ``J``, a host-side bound of ``num_candidates`` (read from the device when None).
     """
-    B, Hq, D = q.shape
-    hkv = int(num_kv_heads)
-    if Hq % hkv:
-        raise ValueError(f"Hq={Hq} not a multiple of Hkv={hkv}")
-    g, bs = Hq // hkv, k_cache.shape[1]
-    J = int(max_candidates) if max_candidates is not None else int(num_candidates.max()) if B else 0
-    dev = q.device
+    B, _, D = q.shape
+    hkv, bs, dev = int(num_kv_heads), k_cache.shape[1], q.device
+    g, J, ok, blocks = candidate_blocks(q, block_table, num_candidates, hkv, max_candidates)
     if J == 0 or B == 0:
         return torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    j = torch.arange(J, device=dev)
-    ok = j.view(1, J) < num_candidates.to(dev, torch.int64).view(B, 1)                      # [B, J]
-    blocks = block_table.to(dev, torch.int64)[:, j.clamp_max(block_table.shape[1] - 1)]
-    blocks = torch.where(ok, blocks, torch.zeros_like(blocks)).clamp_min(0)              # padding reads block 0
     token_ok = ok.view(B, 1, J, 1).expand(B, 1, J, bs).reshape(B, 1, J * bs)
     qf = q.float().view(B, hkv, g, D)
     out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from oasiskv_runtime.ops.attention_mass import candidate_blocks
+
 __all__ = ["gauss_mass_scores"]
 
 
@@ -42,19 +44,11 @@ def gauss_mass_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
     ``block_table``: ``[B, NB]`` the cache block holding each logical block; ``num_candidates``: ``[B]``;
     ``max_candidates``: ``J``, a host-side bound of ``num_candidates`` (read from the device when None).
     """
-    B, Hq, D = q.shape
-    hkv = int(num_kv_heads)
-    if Hq % hkv:
-        raise ValueError(f"Hq={Hq} not a multiple of Hkv={hkv}")
-    g = Hq // hkv
-    J = int(max_candidates) if max_candidates is not None else int(num_candidates.max()) if B else 0
-    dev = q.device
+    B, _, D = q.shape
+    hkv, dev = int(num_kv_heads), q.device
+    g, J, ok, blocks = candidate_blocks(q, block_table, num_candidates, hkv, max_candidates)
     if J == 0 or B == 0:
         return torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    j = torch.arange(J, device=dev)
-    ok = j.view(1, J) < num_candidates.to(dev, torch.int64).view(B, 1)                      # [B, J]
-    blocks = block_table.to(dev, torch.int64)[:, j.clamp_max(block_table.shape[1] - 1)]
-    blocks = torch.where(ok, blocks, torch.zeros_like(blocks)).clamp_min(0)              # padding reads block 0
     qf = q.float().view(B, hkv, g, D)
     out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
     for h in range(hkv):  # one KV head at a time keeps the gathered keys [B, J, block_size, D] small
