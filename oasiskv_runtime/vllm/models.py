@@ -75,14 +75,12 @@ def vllm_model(model: str, root: Path) -> VllmModel:
 
     if model in VLLM_ONLY_PRESETS:
         config, extra = VLLM_ONLY_PRESETS[model]
-        out = Path(root) / config.name
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({**hf_config(config), **extra}, indent=1))
-        return VllmModel(out, config, {"load_format": "dummy"})
-    config, _, directory = model_config_for(model)
-    if directory is not None:
-        return VllmModel(Path(directory), config)
+    else:
+        config, _, directory = model_config_for(model)
+        if directory is not None:
+            return VllmModel(Path(directory), config)
+        extra = {}
     out = Path(root) / config.name
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(config), indent=1))
+    (out / "config.json").write_text(json.dumps({**hf_config(config), **extra}, indent=1))
     return VllmModel(out, config, {"load_format": "dummy"})
