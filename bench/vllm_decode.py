@@ -22,8 +22,10 @@ timing by a profile of each mode at the first context (host syncs of our code, t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,10 +62,10 @@ def decode_window(rows: list[tuple[float, list[int], list[int]]], n: int) -> dic
             window.append((dt, sum(a - b for a, b in zip(after, before))))
     out = {"prefill_s": prefill_s, "total_s": t, "steps": len(rows), "decode_steps": len(window)}
     if window:
-        times = sorted(dt for dt, _ in window)
-        step = times[len(times) // 2] if len(times) % 2 else 0.5 * (times[len(times) // 2 - 1] + times[len(times) // 2])
+        times = [dt for dt, _ in window]
+        step = statistics.median(times)
         per_req = sum(k for _, k in window) / (len(window) * len(rows[0][1]))
-        out.update(decode_step_ms=step * 1e3, decode_step_ms_mean=sum(times) / len(times) * 1e3,
+        out.update(decode_step_ms=step * 1e3, decode_step_ms_mean=statistics.fmean(times) * 1e3,
                    tokens_per_step=per_req, ms_per_token=step * 1e3 / per_req if per_req else None)
     return out
 
@@ -92,7 +94,8 @@ def run_length(a: argparse.Namespace, ctx: int) -> int:
 
 def timed_points(a: argparse.Namespace, vocab: int, warm, run) -> list[dict]:
     """Per context: a short warm-up (``warm(prompts, n)``: compiles kernels at small shapes), then one stepped run
-    (``run(prompts, n) -> (rows, tokens, extra fields)``) of :func:`run_length` tokens, its decode window timed step by step."""
+    (``run(prompts, n) -> (rows, tokens, extra fields)``) of :func:`run_length` tokens, its decode window timed step
+    by step."""
     points = []
     for ctx in a.context:
         warm(prompts_for(max(64, min(ctx, 2048) // 2), a, vocab), 8)  # other prompts: no prefix-cache hit
@@ -169,10 +172,9 @@ def profile_mode(llm, a: argparse.Namespace, vocab: int, prompts: list[list[int]
 
 
 def one_mode(a: argparse.Namespace) -> dict:
-    """Run in the child: one engine, every context length, timed twice per context."""
+    """Run in the child: one engine, every context length (a warm-up and one stepped run per context)."""
     if a.mode.startswith("embedded-"):
         return embedded_mode(a)
-    import torch
     import vllm
 
     from oasiskv_runtime.vllm import acceptance, engine_args, spec_decode_counts
@@ -196,14 +198,16 @@ def one_mode(a: argparse.Namespace) -> dict:
     def params(n):
         return vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
+    timers = a.host_timers and a.mode != "plain"  # the timed runs' host time per phase, without compilation
+
     def warm(prompts, n):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params(n), use_tqdm=False)
-        if a.host_timers and a.mode != "plain":  # the timed run's host time only (not the kernels' compilation)
+        if timers:
             from oasiskv_runtime.vllm.backend import reset_host_timers
 
             llm.apply_model(reset_host_timers)
 
-    runs = iter(range(1 << 30))
+    runs = itertools.count()
 
     def run(prompts, n):
         eng, tag = llm.llm_engine, next(runs)
@@ -224,7 +228,7 @@ def one_mode(a: argparse.Namespace) -> dict:
 
         rows = stepped(step, lambda: [len(t) for t in tokens], lambda: not left)
         extra = {}
-        if a.host_timers and a.mode != "plain":  # this run's host time per phase (reset after the warm-up)
+        if timers:  # reset after the warm-up
             from oasiskv_runtime.vllm.backend import collect_stats
 
             extra["host_ms"] = llm.apply_model(collect_stats)[0].get("host_ms")
