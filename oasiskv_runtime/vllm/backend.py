@@ -435,14 +435,11 @@ def collect_stats(model: torch.nn.Module) -> dict:
         rt = getattr(impl, "runtime", None)
         if rt is not None and all(rt is not r for r in runtimes):
             runtimes.append(rt)
-    if host:  # per phase: total host ms over all layers, layer calls, and ms per step (calls / layers steps)
-        for name, (ms, calls) in BUILD_TIMERS.totals.items():  # once per step, in the builder
-            host[name] = [ms, calls]
-        for name, cell in host.items():  # once-per-step phases count as every layer's call of that step
-            if name.startswith(("build", "begin_step")):
-                cell[1] *= max(1, out["layers"])
-        out["host_ms"] = {name: {"total_ms": round(ms, 3), "layer_calls": calls,
-                                 "ms_per_step": round(ms * out["layers"] / calls, 4)}
+    if host:  # per phase: total host ms, calls, ms per step
+        host.update(BUILD_TIMERS.totals)  # the builder's, once per step
+        once = ("build", "begin_step")  # one call per step; every other phase one per layer and step
+        steps = {name: calls if name.startswith(once) else calls / out["layers"] for name, (_, calls) in host.items()}
+        out["host_ms"] = {name: {"total_ms": round(ms, 3), "calls": calls, "ms_per_step": round(ms / steps[name], 4)}
                           for name, (ms, calls) in sorted(host.items())}
     if runtimes:  # host-pool modes: one runtime per worker
         with torch.inference_mode():
