@@ -11,7 +11,9 @@ flips a greedy token easily, and everything after it differs).
 
 Modes: ``plain`` (vLLM without the plug-in), the plug-in's ``sparse-resident``, ``proxy-prefetch``, ``oasiskv``, and
 our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (its own random weights: its dense vs
-oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). ``--profile`` replaces the
+oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). A plug-in mode with
+``+piecewise`` (``sparse-resident+piecewise``) runs with ``cuda_graphs='off'``: attention eager between vLLM's
+piecewise graphs, beside the full-graph decode of ``cuda_graphs='auto'``. ``--profile`` replaces the
 timing by a profile of each mode at the first context (host syncs of our code, top CUDA / CPU ops).
 
     python bench/vllm_decode.py --model qwen3-8b --batch 16 --context 16384,32768 --out vllm-decode.json
@@ -179,8 +181,12 @@ def one_mode(a: argparse.Namespace) -> dict:
 
     from oasiskv_runtime.vllm import acceptance, engine_args, spec_decode_counts
 
-    extra = {} if a.mode == "plain" else engine_args(mode=a.mode, top_k_blocks=a.top_k, draft=a.draft,
-                                                     platform="cuda" if a.device == "cuda" else "cpu")
+    mode, _, variant = a.mode.partition("+")
+    if variant not in ("", "piecewise"):
+        raise ValueError(f"mode variant {variant!r}: only +piecewise (the plug-in with cuda_graphs='off')")
+    extra = {} if mode == "plain" else engine_args(mode=mode, top_k_blocks=a.top_k, draft=a.draft,
+                                                   platform="cuda" if a.device == "cuda" else "cpu",
+                                                   cuda_graphs="off" if variant else "auto")
     max_len = max(a.context) + 16
     t0 = time.perf_counter()
     llm = vllm.LLM(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=a.dtype, seed=0,
@@ -192,13 +198,13 @@ def one_mode(a: argparse.Namespace) -> dict:
         out["profile"] = profile_mode(llm, a, vocab, [{"prompt_token_ids": p}
                                                       for p in prompts_for(a.context[0], a, vocab)])
         return out
-    drafting = a.mode == "oasiskv" if a.draft == "auto" else a.draft != "none"
+    drafting = mode == "oasiskv" if a.draft == "auto" else a.draft != "none"
     before = spec_decode_counts(llm) if drafting else None
 
     def params(n):
         return vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
-    timers = a.host_timers and a.mode != "plain"  # the timed runs' host time per phase, without compilation
+    timers = a.host_timers and mode != "plain"  # the timed runs' host time per phase, without compilation
 
     def warm(prompts, n):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params(n), use_tqdm=False)
@@ -237,7 +243,7 @@ def one_mode(a: argparse.Namespace) -> dict:
     out["points"] = timed_points(a, vocab, warm, run)
     if before is not None:
         out["acceptance"] = acceptance(before, spec_decode_counts(llm))
-    if a.mode != "plain":  # the plug-in's own counters (traffic, fills, rows served sparse), summed over layers
+    if mode != "plain":  # the plug-in's own counters (traffic, fills, rows served sparse), summed over layers
         try:
             from oasiskv_runtime.vllm.backend import collect_stats
 

@@ -113,6 +113,66 @@ def test_padding_requests_are_not_decodes():
     assert plan.num_decodes == 2 and plan.batch.q_rows.tolist() == [0, 1]
 
 
+def _graph_padded(query_lens: list[int], seq_lens: list[int], pad: int, seed: int = 0):
+    """vLLM's padded CUDA-graph batch: the real requests, then ``pad`` requests with no query rows, ``seq_lens`` 0
+    and null-block (0) table rows."""
+    qsl, seqs, table = _metadata(query_lens, seq_lens, seed=seed)
+    table = table + 1  # block 0 is vLLM's null block
+    qsl = torch.cat([qsl, qsl[-1:].expand(pad)])
+    seqs = torch.cat([seqs, torch.zeros(pad, dtype=seqs.dtype)])
+    table = torch.cat([table, torch.zeros(pad, table.shape[1], dtype=table.dtype)])
+    return qsl, seqs, table
+
+
+def test_static_plan_keeps_graph_padding_harmless():
+    qsl, seqs, table = _graph_padded([2, 2, 1], [20, 40, 33], pad=3)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=6, max_seq_len=64, block_size=BS, static=True)
+    b = plan.batch
+    assert plan.num_decodes == 6 and plan.real_rows.tolist() == [True] * 3 + [False] * 3
+    # padded rows read and write only the first padding token row (5): never a real request's row
+    assert b.q_rows.tolist() == [0, 2, 4, 5, 5, 5] and b.draft_rows.tolist() == [1, 3, 4, 5, 5, 5]
+    assert b.has_draft.tolist() == [True, True, False, False, False, False]
+    assert b.num_candidates[3:].tolist() == [0] * 3 and b.local_block[3:].tolist() == [0] * 3
+    trimmed = plan_step(qsl, qsl, seqs, seqs, table, num_decodes=6, max_seq_len=64, block_size=BS)
+    assert trimmed.num_decodes == 3 and trimmed.real_rows.tolist() == [True] * 3
+    for name in ("q_rows", "draft_rows", "has_draft", "local_block", "local_len", "num_candidates",
+                 "next_candidates"):
+        assert torch.equal(getattr(b, name)[:3], getattr(trimmed.batch, name)), name
+    # runs: [token block of each row, last-row block of each row]; a padded row's rebuild the null block from row 0
+    pad_idx = plan.runs.pad_idx.view(-1, BS)
+    for r, blk in enumerate(plan.runs.blocks.tolist()):
+        if r % 6 >= 3:
+            assert blk == 0 and set(pad_idx[r].tolist()) == {r * BS}
+
+
+def test_plan_derives_the_batch_when_a_layer_first_reads_it():
+    """What a full CUDA graph relies on: the decode part is derived from vLLM's buffers when the first layer reads
+    it (inside the capture), so values written into the same buffers before that are the ones it sees."""
+    qsl, seqs, table = _graph_padded([2, 2], [20, 33], pad=1)
+    plan = plan_step(qsl, qsl, seqs, seqs, table, 3, 64, BS, static=True)
+    seqs[:2] += torch.tensor([5, 17], dtype=seqs.dtype)  # vLLM rewrites its persistent buffers in place
+    table[0] = table[1].flip(0)
+    fresh = plan_step(qsl, qsl, seqs, seqs, table, 3, 64, BS, static=True)
+    for name in ("local_block", "local_len", "num_candidates", "next_candidates", "primary_table"):
+        assert torch.equal(getattr(plan.batch, name), getattr(fresh.batch, name)), name
+    assert torch.equal(plan.runs.blocks, fresh.runs.blocks)
+
+
+def _hand_impl(backend: str, top_k: int, hq: int, hkv: int, d: int):
+    """The backend's attention implementation over FLASH_ATTN's KV layout, made by hand (no vLLM: the mixin's own
+    __init__ reads vLLM's config; this sets what it would) in sparse-resident."""
+    from oasiskv_runtime.vllm.backend import HostTimers, OasisKVImplMixin
+
+    class Impl(OasisKVImplMixin):
+        def __init__(self):
+            self.oasiskv = VllmOptions(top_k_blocks=top_k, backend=backend)
+            self._predictor, self._counts, self.host_pool, self.timers = None, None, False, HostTimers()
+            self.num_heads, self.num_kv_heads, self.head_size, self.scale = hq, hkv, d, d ** -0.5
+            self.kv_layout = "packed"
+
+    return Impl()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [4, 128])
@@ -121,15 +181,7 @@ def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
     laid out as FLASH_ATTN stores it (K and V side by side, NHD), against the PyTorch references. Not run yet (the
     H200 session ran /work/main's tree)."""
     from oasiskv_runtime.ops.summary_update import update_summaries_runs
-    from oasiskv_runtime.vllm.backend import OasisKVImplMixin, kv_views
-
-    class Impl(OasisKVImplMixin):
-        def __init__(self, backend):  # the mixin's own __init__ reads vLLM's config: set what it would
-            self.oasiskv = VllmOptions(top_k_blocks=top_k, backend=backend)
-            self._predictor = None
-            self.num_heads, self.num_kv_heads, self.head_size, self.scale = hq, hkv, d, d ** -0.5
-            self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
-            self.kv_layout = "packed"
+    from oasiskv_runtime.vllm.backend import kv_views
 
     torch.manual_seed(0)
     dev, nb, hq, hkv, d = "cuda", 512, 16, 4, 128
@@ -156,13 +208,77 @@ def test_decode_path_kernels_on_flash_attn_layout(dtype, top_k):
     outs = {}
     for backend in ("auto", "ref"):
         outs[backend] = torch.zeros_like(q)
-        impl = Impl(backend)
+        impl = _hand_impl(backend, top_k, hq, hkv, d)
         predictor = impl._layer_predictor(k_cache)
         predictor.summaries.mins[0].copy_(summaries["ref"][0])
         predictor.summaries.maxs[0].copy_(summaries["ref"][1])
         impl._sparse_decode(plan.batch, q, k, v, k_cache, v_cache, predictor, outs[backend])
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(outs["auto"].float(), outs["ref"].float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_sparse_resident_step_replays_from_a_cuda_graph():
+    """CUDA, no vLLM: a decode-only step of the sparse-resident forward, captured in a CUDA graph on the static plan
+    over persistent buffers (vLLM's FULL graphs), then replayed for a later step whose values vLLM wrote into the
+    same buffers (longer contexts, other tables, one request fewer: a padded row): the real rows equal the eager
+    forward of that step, the touched blocks' summaries too, and the counters count the real rows only."""
+    from oasiskv_runtime.vllm.backend import OasisKVMetadata, kv_views
+
+    torch.manual_seed(0)
+    dev, dtype, nb, hq, hkv, d, top_k, rows, width = "cuda", torch.bfloat16, 256, 8, 2, 64, 3, 4, 14
+    kv_cache = torch.randn(nb, BS, hkv, 2 * d, device=dev, dtype=dtype).permute(0, 2, 1, 3)
+    k_cache, v_cache = kv_views(kv_cache, "packed", d)
+    bufs = {"qsl": torch.zeros(rows + 1, dtype=torch.int32, device=dev),
+            "seq": torch.zeros(rows, dtype=torch.int32, device=dev),
+            "table": torch.zeros(rows, width, dtype=torch.int32, device=dev),
+            "q": torch.zeros(2 * rows, hq, d, device=dev, dtype=dtype),
+            "k": torch.zeros(2 * rows, hkv, d, device=dev, dtype=dtype),
+            "v": torch.zeros(2 * rows, hkv, d, device=dev, dtype=dtype)}
+    out = torch.zeros_like(bufs["q"])
+
+    def load(query_lens, seq_lens, seed):  # what vLLM's input preparation does: new values, same buffers
+        qsl, seqs, table = _graph_padded(query_lens, seq_lens, rows - len(query_lens), seed=seed)
+        bufs["qsl"].copy_(qsl)
+        bufs["seq"].copy_(seqs)
+        bufs["table"].zero_()
+        bufs["table"][:, :table.shape[1]].copy_(table)
+        for name in ("q", "k", "v"):
+            bufs[name].copy_(torch.randn_like(bufs[name]))
+        return qsl
+
+    def forward(qsl_cpu, static):
+        plan = plan_step(bufs["qsl"], qsl_cpu, bufs["seq"], None, bufs["table"], rows,
+                         width * BS if static else int(bufs["seq"].max()), BS, static=static)
+        meta = OasisKVMetadata(inner=None, plan=plan, num_actual_tokens=2 * rows)
+        impl.forward(None, bufs["q"], bufs["k"], bufs["v"], kv_cache, meta, out)
+
+    impl = _hand_impl("auto", top_k, hq, hkv, d)
+    forward(load([2, 2, 1, 2], [70, 133, 40, 17], seed=1), static=True)  # eager warm-up: allocates state
+    summaries = impl._predictor.summaries
+    init = k_cache.amin(dim=1, keepdim=True), k_cache.amax(dim=1, keepdim=True)
+
+    def reset():
+        summaries.mins[0].copy_(init[0])
+        summaries.maxs[0].copy_(init[1])
+        impl._counts.zero_()
+        out.zero_()
+
+    qsl = load([2, 2, 1, 2], [70, 133, 40, 17], seed=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward(qsl, static=True)
+    qsl = load([2, 1, 2], [150, 96, 181], seed=2)
+    reset()
+    graph.replay()
+    torch.cuda.synchronize()
+    n = int(qsl[-1])
+    got, got_min, counts = out[:n].clone(), summaries.mins[0][1:].clone(), impl.stats
+    reset()
+    forward(qsl, static=False)
+    torch.testing.assert_close(got.float(), out[:n].float(), rtol=2e-2, atol=2e-2)  # a stale replay: far off
+    assert torch.equal(got_min, summaries.mins[0][1:])
+    assert counts == {"decode_steps": 1, "decode_rows": 3, "draft_rows": 2, "sparse_rows": 3}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -57,7 +57,8 @@ def _on_cuda(platform: str | None) -> bool:
 
 def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str | None = "auto",
                 block_size: int = 16, sink_blocks: int = 0, backend: str = "auto", measure_recall: bool = False,
-                platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest") -> dict[str, Any]:
+                platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest",
+                cuda_graphs: str = "auto") -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -66,7 +67,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     prefix caching off). ``draft``: ``auto`` (``ngram`` for oasiskv, none otherwise), ``ngram[:N]``,
     ``eagle3:<dir>`` or ``none``; any draft is vLLM's own speculative decoding with one token, and turns vLLM's
     stats on so the acceptance rate can be read (:func:`acceptance`). ``measure_recall``: host-pool modes report
-    each layer's prediction recall (host round trips). ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current
+    each layer's prediction recall (host round trips). ``cuda_graphs``: ``auto`` (decode-only steps replay full CUDA
+    graphs where the mode allows: sparse-resident) or ``off`` (vLLM's piecewise graphs only). ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current
     platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
@@ -74,7 +76,7 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     check_vllm_version()
     opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
                        sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
-                       recent_blocks=recent_blocks, selection_score=selection_score)
+                       recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs)
     parsed = opts.parsed_mode
     if draft == "auto":
         draft = "ngram" if parsed is Mode.OASISKV else None

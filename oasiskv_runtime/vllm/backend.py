@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from oasiskv_runtime.config import Mode
 from oasiskv_runtime.core.batch import DecodeBatch, SummaryWrites
 from oasiskv_runtime.core.predictor import Predictor, resident_block_ids
 from oasiskv_runtime.core.summaries import KeySummaries
@@ -194,11 +195,14 @@ class OasisKVBuilderMixin:
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        # The step's batch is made fresh by build() (no persistent buffers yet): a captured full graph would replay
-        # stale tensors. NEVER keeps CUDA graphs piecewise (attention runs eagerly between the captured pieces).
+        # UNIFORM_BATCH: vLLM replays decode-only steps (every request 1 + num_speculative_tokens rows) from full CUDA
+        # graphs, attention included; the step's batch is derived inside the forward from vLLM's persistent input
+        # buffers (StepPlan), so a replay recomputes it. NEVER keeps graphs piecewise (attention eager between the
+        # captured pieces): the host-pool modes, whose per-step request events and transfers run on the host.
         from vllm.v1.attention.backend import AttentionCGSupport
 
-        return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_BATCH if full_graphs(VllmOptions.from_vllm_config(vllm_config)) \
+            else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
@@ -215,6 +219,8 @@ class OasisKVBuilderMixin:
                 "(engine_args sets it; `vllm serve ... --block-size 16`)")
         if self.oasiskv.parsed_mode.uses_host_pool:
             check_host_pool_config(vllm_config)
+        self.full_graphs = full_graphs(self.oasiskv) and torch.device(device).type == "cuda"
+        """Decode-only steps are planned on the static layout (vLLM may replay them from full CUDA graphs)."""
         # Decodes first, and a verify step's [token, draft] counts as a decode.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
@@ -236,10 +242,14 @@ class OasisKVBuilderMixin:
         common = common_attn_metadata
         num_decodes = self._split(common)
         rest = common.num_reqs > num_decodes
+        # A decode-only step may be a full graph's replay (or capture): keep its padded batch, and the capture's
+        # score width (vLLM captures with max_seq_len = max_model_len).
+        static = self.full_graphs and not rest
+        max_seq_len = self.vllm_config.model_config.max_model_len if static else common.max_seq_len
         plan = plan_step(common.query_start_loc, common.query_start_loc_cpu[:common.num_reqs + 1],
                          common.seq_lens[:common.num_reqs], _host_seq_lens(common) if rest else None,
-                         common.block_table_tensor[:common.num_reqs], num_decodes, common.max_seq_len,
-                         self.oasiskv.block_size)
+                         common.block_table_tensor[:common.num_reqs], num_decodes, max_seq_len,
+                         self.oasiskv.block_size, static=static)
         inner = None
         if plan.num_decodes < common.num_reqs:
             sub = common if plan.num_decodes == 0 else slice_requests(common, plan.num_decodes,
@@ -258,9 +268,15 @@ class OasisKVBuilderMixin:
         # A draft model's layers (EAGLE-3) attend densely: the base backend serves every row.
         if self.oasiskv is None:
             return super().build_for_drafting(common_attn_metadata, draft_index)
-        plan = StepPlan(batch=None, runs=None, num_decodes=0, num_decode_tokens=0)
+        plan = StepPlan()
         inner = super().build(0, common_attn_metadata, True)
         return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common_attn_metadata.num_actual_tokens)
+
+
+def full_graphs(opts: VllmOptions | None) -> bool:
+    """Whether decode-only steps may replay full CUDA graphs with these options (sparse-resident, ``cuda_graphs``
+    auto)."""
+    return opts is not None and opts.parsed_mode is Mode.SPARSE_RESIDENT and opts.cuda_graphs == "auto"
 
 
 def unsupported_features(impl: Any) -> list[str]:
@@ -298,8 +314,9 @@ class OasisKVImplMixin:
                                       f"kv_cache_dtype={self.kv_cache_dtype!r}")
         self._predictor: Predictor | None = None
         """Over this layer's key summaries (made with them at the first real step)."""
-        self.stats = {"decode_steps": 0, "decode_rows": None, "draft_rows": None, "sparse_rows": None}
-        """Counters read by :func:`collect_stats` (device tensors: no host sync per layer)."""
+        self._counts: torch.Tensor | None = None
+        """[len(COUNTERS)] int64 on the device, accumulated in place (no host sync per layer; a replayed CUDA graph
+        adds to the same tensor): read by :attr:`stats`."""
         self.timers = HostTimers()
         bad = unsupported_features(self)
         if bad:
@@ -312,6 +329,7 @@ class OasisKVImplMixin:
         nb, _, hkv, d = k_cache.shape
         p = self._predictor
         if p is None or p.summaries.mins[0].shape[0] != nb or p.summaries.mins[0].device != k_cache.device:
+            outside_capture("a layer's key summaries")
             mk = lambda: torch.zeros((nb, 1, hkv, d), dtype=k_cache.dtype, device=k_cache.device)  # noqa: E731
             o = self.oasiskv
             p = self._predictor = Predictor(KeySummaries([mk()], [mk()], o.backend), hkv, o.top_k_blocks,
@@ -351,6 +369,7 @@ class OasisKVImplMixin:
         if plan.batch is not None:
             with phase("sparse_decode", mixed):
                 self._sparse_decode(plan.batch, query, key, value, k_cache, v_cache, predictor, output)
+                self._count(plan.batch, plan.real_rows)
         return output
 
     def _host_pool_forward(self, layer, query, key, value, kv_cache, k_cache, v_cache, meta: OasisKVMetadata,
@@ -375,7 +394,7 @@ class OasisKVImplMixin:
         if plan.batch is not None:
             with phase("decode", mixed):
                 rt.decode(li, query, key, value, k_cache, v_cache, self.scale, output)
-                self._count(plan.batch)
+                self._count(plan.batch, plan.real_rows)
         with phase("after_attention", mixed):
             rt.after_attention(li, query, k_cache, v_cache)
         return output
@@ -396,17 +415,34 @@ class OasisKVImplMixin:
         output[b.q_rows] = res[:, 0].to(output.dtype)
         # Requests without a draft have draft_rows == q_rows: write their own output again (no boolean indexing).
         output[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0]).to(output.dtype)
-        self._count(b)
 
-    def _count(self, b: DecodeBatch) -> None:
-        # decode_rows is known on the host; the others are summed on the device (torch.tensor(n, device=cuda) would
-        # be a blocking upload: a host sync in every layer)
-        st = self.stats
-        st["decode_steps"] += 1
-        drafts = b.has_draft.sum()
-        sparse = (b.num_candidates > self.oasiskv.top_k_blocks).sum()
-        for name, v in (("decode_rows", b.q_rows.numel()), ("draft_rows", drafts), ("sparse_rows", sparse)):
-            st[name] = v if st[name] is None else st[name] + v
+    def _count(self, b: DecodeBatch, real: torch.Tensor) -> None:
+        """Add this layer call to the counters (``real``: [B] bool, the rows that are requests, not graph padding)."""
+        c = self._counts
+        if c is None or c.device != real.device:
+            outside_capture("a layer's counters")
+            c = self._counts = torch.zeros(len(COUNTERS), dtype=torch.long, device=real.device)
+        c[0] += 1
+        c[1:].add_(torch.stack([real.sum(), (b.has_draft & real).sum(),
+                                (b.num_candidates > self.oasiskv.top_k_blocks).sum()]))
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The counters on the host (a host sync): see :func:`collect_stats`."""
+        values = self._counts.tolist() if self._counts is not None else [0] * len(COUNTERS)
+        return dict(zip(COUNTERS, values))
+
+
+COUNTERS = ("decode_steps", "decode_rows", "draft_rows", "sparse_rows")
+"""Per-layer counters (:func:`collect_stats` says what each counts)."""
+
+
+def outside_capture(what: str) -> None:
+    """Refuse to allocate persistent state inside a CUDA-graph capture: its zero fill would be captured and replayed
+    every step. vLLM runs warm-up forwards eagerly before it captures, and they allocate it."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"OasisKV: {what} would be allocated inside a CUDA-graph capture (no eager forward ran "
+                           f"first); run with cuda_graphs='off' (engine_args) and report this")
 
 
 def collect_stats(model: torch.nn.Module) -> dict:
@@ -427,7 +463,7 @@ def collect_stats(model: torch.nn.Module) -> dict:
             continue
         out["layers"] += 1
         for name, v in impl.stats.items():
-            out[name] += int(v) if v is not None else 0
+            out[name] += v
         for name, (ms, calls) in impl.timers.totals.items():
             cell = host.setdefault(name, [0.0, 0])
             cell[0] += ms

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -55,14 +56,47 @@ class SummaryRuns:
     """[R] bool, all True."""
 
 
-@dataclass
 class StepPlan:
-    batch: DecodeBatch | None
-    """The leading decode requests, or None when there are none."""
-    runs: SummaryRuns | None
-    """Summary rebuilds of every request's touched blocks, or None when nothing is written."""
-    num_decodes: int
-    num_decode_tokens: int
+    """Everything the OasisKV layers of one step read: the decode batch and the summary runs.
+
+    The builder plans the step on the host; the device tensors of its decode part are made by the first layer that
+    reads :attr:`batch` or :attr:`runs`, inside the forward. Under a full CUDA graph that first layer runs inside
+    the capture, so the graph holds the ops that derive the batch from vLLM's persistent input buffers and a replay
+    recomputes them from the replayed step's values (a batch made in the builder, outside the capture, would be
+    replayed stale)."""
+
+    def __init__(self, batch: DecodeBatch | None = None, runs: SummaryRuns | None = None, num_decodes: int = 0,
+                 num_decode_tokens: int = 0, make: Callable[[], tuple] | None = None) -> None:
+        self._batch, self._runs, self._real = batch, runs, None
+        self._make = make
+        self.num_decodes = num_decodes
+        """Leading requests served by sparse decode (padded requests included on the static layout)."""
+        self.num_decode_tokens = num_decode_tokens
+
+    def _resolve(self) -> None:
+        if self._make is not None:
+            make, self._make = self._make, None
+            self._batch, self._runs, self._real = make()
+
+    @property
+    def batch(self) -> DecodeBatch | None:
+        """The leading decode requests, or None when there are none."""
+        self._resolve()
+        return self._batch
+
+    @property
+    def runs(self) -> SummaryRuns | None:
+        """Summary rebuilds of every request's touched blocks, or None when nothing is written."""
+        self._resolve()
+        return self._runs
+
+    @property
+    def real_rows(self) -> torch.Tensor | None:
+        """[B] bool: the decode rows that are requests (False: CUDA-graph padding), None without decodes."""
+        self._resolve()
+        if self._real is None and self._batch is not None:
+            self._real = torch.ones_like(self._batch.has_draft)
+        return self._real
 
 
 def _runs(blocks: torch.Tensor, valid: torch.Tensor, block_size: int) -> SummaryRuns:
@@ -75,27 +109,35 @@ def _runs(blocks: torch.Tensor, valid: torch.Tensor, block_size: int) -> Summary
 
 
 def decode_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                 num_decodes: int, max_seq_len: int, block_size: int) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor]:
+                 num_decodes: int, max_seq_len: int, block_size: int
+                 ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The leading ``num_decodes`` requests as a :class:`DecodeBatch`, plus their summary runs' blocks and valid
-    rows (two runs per request: the token's block and the last written row's block, identical when they coincide).
+    rows (two runs per request: the token's block and the last written row's block, identical when they coincide),
+    and ``real`` [B] bool (False for padded requests).
+
+    Padded requests (vLLM pads a CUDA-graph batch with requests of no query rows, ``seq_lens`` 0 and null-block
+    table rows) come out harmless: their rows point at the first token row after the real ones (padding too), they
+    have no candidates, and their runs rebuild the null block's summary from its row 0.
 
     Device tensors in, device tensors out: no host sync. ``max_seq_len`` is a host-side upper bound of ``seq_lens``.
     """
     nd, bs = num_decodes, block_size
     qsl = query_start_loc[:nd + 1].long()
     qlen = qsl[1:] - qsl[:-1]
+    real = qlen > 0
     seq = seq_lens[:nd].long()
     table = block_table[:nd]
     ctx = seq - (qlen - 1)          # tokens with KV up to and including the request's token (its draft excluded)
     pos = ctx - 1                   # the token's position
     j_tok = pos // bs
-    j_last = (seq - 1) // bs        # block of the last row written this step (the draft's, when it has one)
+    j_last = torch.clamp((seq - 1) // bs, min=0)  # block of the last row written this step (the draft's, if any)
     blocks_at = lambda j: table.gather(1, j.view(-1, 1)).view(-1).long()  # noqa: E731
+    q_rows = qsl[:-1]
     batch = DecodeBatch(
         seq_ids=list(range(nd)),
         state_rows=torch.arange(nd, device=seq.device),
-        q_rows=qsl[:-1],
-        draft_rows=qsl[:-1] + qlen - 1,
+        q_rows=q_rows,
+        draft_rows=torch.where(real, q_rows + qlen - 1, q_rows),
         has_draft=qlen > 1,
         local_block=blocks_at(j_tok),
         local_len=pos % bs + 1,
@@ -108,7 +150,7 @@ def decode_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     )
     run_blocks = torch.cat([blocks_at(j_tok), blocks_at(j_last)])
     run_valid = torch.cat([torch.clamp(seq - j_tok * bs, max=bs), seq - j_last * bs])
-    return batch, run_blocks, run_valid
+    return batch, run_blocks, run_valid, real
 
 
 def prefill_runs(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, block_table: torch.Tensor,
@@ -141,33 +183,41 @@ def prefill_runs(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, 
 
 def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, seq_lens: torch.Tensor,
               seq_lens_cpu: torch.Tensor | None, block_table: torch.Tensor, num_decodes: int, max_seq_len: int,
-              block_size: int) -> StepPlan:
-    """Everything the OasisKV layers of one step read: the decode batch and the summary runs.
+              block_size: int, static: bool = False) -> StepPlan:
+    """The step's :class:`StepPlan`: its host part now, its decode part's device tensors when a layer first reads
+    them (no host sync either way).
 
     ``num_decodes``: the leading requests served by sparse decode (query length 1 or 2). ``seq_lens_cpu``: exact
     host lengths of the other requests (None when there are none). Trailing requests with no query rows (padding)
-    are skipped.
+    are dropped, unless ``static``: a decode-only step that vLLM may replay from a full CUDA graph keeps its padded
+    batch (the graph was captured for that size; :func:`decode_batch` makes the padding harmless).
     """
     starts = query_start_loc_cpu
-    while num_decodes and int(starts[num_decodes] - starts[num_decodes - 1]) == 0:
+    while num_decodes and not static and int(starts[num_decodes] - starts[num_decodes - 1]) == 0:
         num_decodes -= 1  # padded requests sort after the real decodes
     num_decode_tokens = int(starts[num_decodes]) if num_decodes else 0
-    batch = None
-    blocks, valid = [], []
-    if num_decodes:
-        batch, b, v = decode_batch(query_start_loc, seq_lens, block_table, num_decodes, max_seq_len, block_size)
-        blocks.append(b)
-        valid.append(v)
-    if starts.numel() - 1 > num_decodes:
+    prefill = None
+    if int(starts[-1]) > num_decode_tokens:  # query rows after the decodes (not only padding): prefill chunks
         if seq_lens_cpu is None:
             raise ValueError("plan_step: prefill requests need their host seq_lens")
-        b, v = prefill_runs(starts, seq_lens_cpu, block_table, num_decodes, block_size)
-        blocks.append(b)
-        valid.append(v)
-    runs = None
-    if blocks and sum(b.numel() for b in blocks):
-        runs = _runs(torch.cat(blocks), torch.cat(valid), block_size)
-    return StepPlan(batch=batch, runs=runs, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens)
+        prefill = prefill_runs(starts, seq_lens_cpu, block_table, num_decodes, block_size)
+    if not num_decodes and (prefill is None or not prefill[0].numel()):
+        return StepPlan(num_decode_tokens=num_decode_tokens)
+
+    def make() -> tuple:
+        batch = real = None
+        blocks, valid = [], []
+        if num_decodes:
+            batch, b, v, real = decode_batch(query_start_loc, seq_lens, block_table, num_decodes, max_seq_len,
+                                             block_size)
+            blocks.append(b)
+            valid.append(v)
+        if prefill is not None and prefill[0].numel():
+            blocks.append(prefill[0])
+            valid.append(prefill[1])
+        return batch, _runs(torch.cat(blocks), torch.cat(valid), block_size), real
+
+    return StepPlan(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, make=make)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,10 @@ class VllmOptions:
     backend: str = _default("backend")
     measure_recall: bool = _default("measure_recall")
     """Host-pool modes: recall of each layer's prediction against the true next query's top-K (host round trips)."""
+    cuda_graphs: str = _default("cuda_graphs")
+    """``auto``: vLLM replays decode-only steps from full CUDA graphs, attention included, where the mode allows
+    (sparse-resident; the host-pool modes' request events and transfers run on the host, so their attention stays
+    eager between vLLM's piecewise graphs); ``off``: piecewise graphs only in every mode."""
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
@@ -65,6 +69,9 @@ class VllmOptions:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
                              f"{', '.join(VLLM_SCORES)} (attention and gauss read every key: embedded-engine study "
                              f"settings)")
+        if self.cuda_graphs not in ("auto", "off"):
+            raise ValueError(f"cuda_graphs on vLLM is auto or off, got {self.cuda_graphs!r} (static is the embedded "
+                             f"engine's CPU test layout)")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
