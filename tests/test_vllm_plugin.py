@@ -417,9 +417,14 @@ def test_options_and_version_errors():
     assert VllmOptions.from_dict(ok.to_dict()) == ok  # what additional_config carries to the workers
     for bad in (dict(mode="fetch-on-demand"), dict(mode="nope"), dict(top_k_blocks=0), dict(block_size=24),
                 dict(fetch_ratio=0.0), dict(backend="cuda"), dict(selection_score="attention"),
-                dict(top_k_blocks=4, sink_blocks=2, recent_blocks=2)):
+                dict(top_k_blocks=4, sink_blocks=2, recent_blocks=2), dict(cuda_graphs="static")):
         with pytest.raises(ValueError):
             VllmOptions(**bad)
+    from oasiskv_runtime.vllm.backend import full_graphs  # which options let vLLM replay full graphs for decode
+
+    assert full_graphs(VllmOptions()) and not full_graphs(VllmOptions(cuda_graphs="off"))
+    assert not any(full_graphs(VllmOptions(mode=m)) for m in ("dense", "proxy-prefetch", "oasiskv"))
+    assert not full_graphs(None)
     with pytest.raises(ValueError, match="unknown OasisKV option"):
         VllmOptions.from_dict({"mode": "sparse-resident", "topk": 3})
     assert parse_version("0.26.0+cu130") == (0, 26, 0) and parse_version("0.33.0rc1") == (0, 33, 0)
@@ -511,6 +516,9 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
         assert args.get("attention_backend") == ("CUSTOM" if platform == "cuda" else None)
     args = engine_args(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform)
     assert args["additional_config"]["oasiskv"]["top_k_blocks"] == 64
+    assert args["additional_config"]["oasiskv"]["cuda_graphs"] == "auto"
+    off = engine_args(mode="sparse-resident", cuda_graphs="off", platform=platform)
+    assert off["additional_config"]["oasiskv"]["cuda_graphs"] == "off"
     assert args["speculative_config"]["num_speculative_tokens"] == 1 and args["disable_log_stats"] is False
     assert engine_args(mode="oasiskv", platform=platform)["speculative_config"]["method"] == "ngram"  # auto draft
     assert "speculative_config" not in engine_args(mode="proxy-prefetch", platform=platform)
