@@ -13,7 +13,8 @@ Modes: ``plain`` (vLLM without the plug-in), the plug-in's ``sparse-resident``, 
 our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (its own random weights: its dense vs
 oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). A plug-in mode with
 ``+piecewise`` (``sparse-resident+piecewise``) runs with ``cuda_graphs='off'``: attention eager between vLLM's
-piecewise graphs, beside the full-graph decode of ``cuda_graphs='auto'``. ``--profile`` replaces the
+piecewise graphs, beside the full-graph decode of ``cuda_graphs='auto'``; ``+full`` (``oasiskv+full``) with
+``cuda_graphs='full'``: the host-pool modes' decode steps from full graphs too. ``--profile`` replaces the
 timing by a profile of each mode at the first context (host syncs of our code, top CUDA / CPU ops).
 
     python bench/vllm_decode.py --model qwen3-8b --batch 16 --context 16384,32768 --out vllm-decode.json
@@ -182,11 +183,12 @@ def one_mode(a: argparse.Namespace) -> dict:
     from oasiskv_runtime.vllm import acceptance, engine_args, spec_decode_counts
 
     mode, _, variant = a.mode.partition("+")
-    if variant not in ("", "piecewise"):
-        raise ValueError(f"mode variant {variant!r}: only +piecewise (the plug-in with cuda_graphs='off')")
+    graphs = {"": "auto", "piecewise": "off", "full": "full"}
+    if variant not in graphs:
+        raise ValueError(f"mode variant {variant!r}: +piecewise (cuda_graphs='off') or +full (cuda_graphs='full')")
     extra = {} if mode == "plain" else engine_args(mode=mode, top_k_blocks=a.top_k, draft=a.draft,
                                                    platform="cuda" if a.device == "cuda" else "cpu",
-                                                   cuda_graphs="off" if variant else "auto")
+                                                   cuda_graphs=graphs[variant])
     max_len = max(a.context) + 16
     t0 = time.perf_counter()
     llm = vllm.LLM(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=a.dtype, seed=0,

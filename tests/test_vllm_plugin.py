@@ -411,6 +411,147 @@ def test_host_pool_runtime_rows_follow_requests():
         layer_index("model.decoder.attn")
 
 
+class _Replay:
+    """Records ``fn`` as a full CUDA graph on CUDA; on the CPU (no graphs) a replay runs ``fn`` again with
+    ``host_pool.capturing()`` true, which is what a capture records."""
+
+    def __init__(self, fn, device: str, monkeypatch) -> None:
+        self.fn, self.device, self.monkeypatch = fn, device, monkeypatch
+        if device == "cuda":
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                fn()
+
+    def replay(self) -> None:
+        if self.device == "cuda":
+            self.graph.replay()
+            return
+        from oasiskv_runtime.vllm import host_pool
+
+        self.monkeypatch.setattr(host_pool, "capturing", lambda: True)
+        try:
+            self.fn()
+        finally:
+            self.monkeypatch.setattr(host_pool, "capturing", lambda: False)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_host_pool_decode_steps_replay_like_eager_steps(device, monkeypatch):
+    """No vLLM: two host-pool runtimes (oasiskv, K = 4, cap 2; on CUDA the prefetch on its side streams) take the
+    same requests (three prompts prefilled and filled, then decode steps). One runs every step eagerly; the other
+    has captured a decode step of vLLM's padded static layout (four rows, one padding) before any request existed,
+    as vLLM does at start-up, and replays it for each decode step after ``replay_step`` (the host part the KV
+    connector runs). Every decode output, the per-head maps and the working sets' contents are the same."""
+    from oasiskv_runtime.vllm.batch import plan_step
+    from oasiskv_runtime.vllm.host_pool import HostPoolRuntime
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layers, hq, hkv, d, nb, rows, max_len = 2, 4, 2, 64, 48, 4, 12 * BS
+    opts = VllmOptions(mode="oasiskv", top_k_blocks=4, fetch_ratio=0.5, cuda_graphs="full")
+    caches = [(torch.randn(nb, BS, hkv, d, device=device, dtype=dtype),
+               torch.randn(nb, BS, hkv, d, device=device, dtype=dtype)) for _ in range(layers)]
+    prompts = [100, 70, 130]
+    tables = (torch.randperm(nb - 1)[:3 * 12] + 1).view(3, 12).int().to(device)  # block 0: vLLM's null block
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+
+    def make():
+        rt = HostPoolRuntime(opts, layers, hkv, d, nb, dtype, torch.device(device), rows, d ** -0.5)
+        rt.full_graphs = True
+        return rt
+
+    def forward(rt, plan, events, common, qkv, outs):
+        rt.begin_step(plan, events, common)  # the first layer's call
+        for layer in range(layers):
+            q, k, v = qkv[layer]
+            kc, vc = caches[layer]
+            rt.write(layer, k, v, kc)
+            if plan.num_decodes:
+                rt.decode(layer, q, k, v, kc, vc, d ** -0.5, outs[layer])
+            rt.after_attention(layer, q, kc, vc)
+
+    def step_inputs(query_lens, seq_lens, table, pad=0):
+        n = sum(query_lens)
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist() + [n] * pad, dtype=torch.int32)
+        seqs = torch.tensor(list(seq_lens) + [0] * pad, dtype=torch.int32)
+        pos = torch.cat([torch.arange(s - m, s) for m, s in zip(query_lens, seq_lens)]).to(device)
+        req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens)).to(device)
+        slots = table[req, pos // BS].long() * BS + pos % BS
+        table = torch.cat([table, torch.zeros(pad, table.shape[1], dtype=table.dtype, device=device)])
+        slots = torch.cat([slots, torch.full((pad * max(query_lens),), -1, dtype=torch.long, device=device)])
+        qkv = [(rand(len(slots), hq, d), rand(len(slots), hkv, d), rand(len(slots), hkv, d)) for _ in range(layers)]
+        for layer, (_, k, v) in enumerate(qkv):  # what vLLM writes into its cache before the layer runs
+            caches[layer][0].view(-1, hkv, d)[slots[:n]] = k[:n]
+            caches[layer][1].view(-1, hkv, d)[slots[:n]] = v[:n]
+        common = {"query_start_loc": qsl.to(device), "seq_lens": seqs.to(device), "block_table": table,
+                  "slot_mapping": slots, "num_tokens": len(slots), "max_seq_len": max(seq_lens)}
+        return qsl, seqs, common, qkv
+
+    eager, graphed = make(), make()
+    # the static layout's persistent buffers (vLLM's), a dummy step through them: eager on both (kernels compiled,
+    # step numbers aligned), then captured for the graphed runtime
+    _, _, static, static_qkv = step_inputs([1] * rows, [1] * rows, torch.zeros(rows, 12, dtype=torch.int32,
+                                                                              device=device))
+    static_outs = [torch.zeros_like(q) for q, _, _ in static_qkv]
+    qsl_static = torch.arange(rows + 1, dtype=torch.int32)
+
+    def static_plan():
+        return plan_step(static["query_start_loc"], qsl_static, static["seq_lens"], None, static["block_table"],
+                         rows, max_len, BS, static=True)
+
+    for rt in (eager, graphed):
+        forward(rt, static_plan(), StepEvents(), static, static_qkv, static_outs)
+    graph = _Replay(lambda: forward(graphed, static_plan(), None, static, static_qkv, static_outs), device,
+                    monkeypatch)
+
+    # prefill: every prompt in one step, all of them complete (their working sets are filled)
+    qsl, seqs, common, qkv = step_inputs(prompts, prompts, tables)
+    ids = ["r0", "r1", "r2"]
+    for rt in (eager, graphed):
+        events = StepEvents(start=[(r, int(tables[i, 0])) for i, r in enumerate(ids)], fill=list(ids))
+        plan = plan_step(common["query_start_loc"], qsl, common["seq_lens"], seqs, tables, 0, max(prompts), BS)
+        forward(rt, plan, events, common, qkv, [torch.zeros_like(q) for q, _, _ in qkv])
+
+    lengths = list(prompts)
+    for _ in range(5):
+        lengths = [n + 1 for n in lengths]
+        qsl, seqs, common, qkv = step_inputs([1, 1, 1], lengths, tables)
+        outs = [torch.zeros_like(q) for q, _, _ in qkv]
+        plan = plan_step(common["query_start_loc"], qsl, common["seq_lens"], None, tables, 3, max(lengths), BS)
+        forward(eager, plan, StepEvents(), common, qkv, outs)
+        # the graphed runtime: the same step written into the static buffers (one padding request: no query rows,
+        # seq_lens 0, a null-block table row, slot -1), the host part, the replay
+        static["query_start_loc"].copy_(torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32))
+        static["seq_lens"].copy_(torch.tensor(lengths + [0], dtype=torch.int32))
+        static["block_table"][:3].copy_(tables)
+        static["block_table"][3:].zero_()
+        static["slot_mapping"][:3].copy_(common["slot_mapping"])
+        static["slot_mapping"][3:].fill_(-1)
+        for mine, theirs in zip(static_qkv, qkv):
+            for a, b in zip(mine, theirs):
+                a[:3].copy_(b)
+                a[3:].zero_()
+        graphed.replay_step(StepEvents(), 3)
+        graph.replay()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for layer in range(layers):
+            torch.testing.assert_close(static_outs[layer][:3].float(), outs[layer][:3].float(), rtol=2e-2,
+                                       atol=2e-2)
+        assert torch.equal(graphed.head_map.slot_map, eager.head_map.slot_map)
+    assert torch.equal(graphed.head_map.last_sel, eager.head_map.last_sel)
+    for layer in range(layers):  # the working sets of the three requests' rows (the scratch row aside)
+        used = sorted(eager.head_map.rows[r] for r in ids)
+        w = opts.top_k_blocks + 2
+        for r in used:
+            assert torch.equal(graphed.ws.k[layer][r * w:(r + 1) * w], eager.ws.k[layer][r * w:(r + 1) * w])
+    a, b = eager.run_stats(), graphed.run_stats()
+    assert b["replayed_steps"] == 5 and a["replayed_steps"] == 0
+    for key in ("fetched_bytes_per_step", "decode_request_steps", "steps", "gap_rows", "max_step_bytes_over_cap"):
+        assert a[key] == b[key], key
+
+
 def test_options_and_version_errors():
     assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
     ok = VllmOptions(top_k_blocks=4, sink_blocks=1, recent_blocks=2, selection_score="minmax_mass")
@@ -420,11 +561,11 @@ def test_options_and_version_errors():
                 dict(top_k_blocks=4, sink_blocks=2, recent_blocks=2), dict(cuda_graphs="static")):
         with pytest.raises(ValueError):
             VllmOptions(**bad)
-    from oasiskv_runtime.vllm.backend import full_graphs  # which options let vLLM replay full graphs for decode
-
-    assert full_graphs(VllmOptions()) and not full_graphs(VllmOptions(cuda_graphs="off"))
-    assert not any(full_graphs(VllmOptions(mode=m)) for m in ("dense", "proxy-prefetch", "oasiskv"))
-    assert not full_graphs(None)
+    # which options let vLLM replay full graphs for decode
+    assert VllmOptions().full_graphs and not VllmOptions(cuda_graphs="off").full_graphs
+    assert not any(VllmOptions(mode=m).full_graphs for m in ("dense", "proxy-prefetch", "oasiskv"))
+    assert all(VllmOptions(mode=m, cuda_graphs="full").full_graphs for m in ("proxy-prefetch", "oasiskv"))
+    assert not VllmOptions(mode="oasiskv", cuda_graphs="full", measure_recall=True).full_graphs
     with pytest.raises(ValueError, match="unknown OasisKV option"):
         VllmOptions.from_dict({"mode": "sparse-resident", "topk": 3})
     assert parse_version("0.26.0+cu130") == (0, 26, 0) and parse_version("0.33.0rc1") == (0, 33, 0)
@@ -575,6 +716,48 @@ def test_connector_queues_events_until_a_scheduled_forward(monkeypatch):
     assert conn.connector_events() == (True, None)
 
 
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_connector_prepares_replays_and_runs_fill_steps_eagerly(monkeypatch):
+    """cuda_graphs='full': before a step vLLM replays from a full graph, the connector's start_load_kv runs the
+    step's host part (the events, counted without the padding); a step whose events fill a working set is switched
+    to eager (runtime mode NONE) and keeps its events for the forward; piecewise steps are left alone."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CUDAGraphMode, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from oasiskv_runtime.vllm import connector as conn
+    from oasiskv_runtime.vllm import engine_args, host_pool
+    from oasiskv_runtime.vllm.batch import StepPlan
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    cfg = VllmConfig(kv_transfer_config=KVTransferConfig(**engine_args(mode="oasiskv",
+                                                                       platform="cpu")["kv_transfer_config"]))
+    worker = conn.OasisKVConnector(cfg, KVConnectorRole.WORKER, None)
+    rt = host_pool.HostPoolRuntime(VllmOptions(mode="oasiskv", top_k_blocks=4, cuda_graphs="full"), num_layers=2,
+                                   num_kv_heads=2, head_dim=8, num_blocks=32, dtype=torch.float32,
+                                   device=torch.device("cpu"), max_rows=3, scale=8 ** -0.5)
+    rt.full_graphs = True
+    monkeypatch.setattr(host_pool, "_RUNTIMES", {0: (cfg, rt)})
+    ctx = lambda mode: NS(cudagraph_runtime_mode=mode,  # noqa: E731
+                          attn_metadata={"l0": NS(plan=StepPlan(num_decodes=4, num_real=3))})
+    worker.bind_connector_metadata(conn.OasisKVConnectorMetadata(StepEvents(start=[("a", 5)])))
+    piecewise = ctx(CUDAGraphMode.PIECEWISE)
+    worker.start_load_kv(piecewise)
+    assert piecewise.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE and rt.step_no == 0
+    full = ctx(CUDAGraphMode.FULL)
+    worker.start_load_kv(full)  # the replay's host part: a's start applied, three decode requests counted
+    assert full.cudagraph_runtime_mode == CUDAGraphMode.FULL and "a" in rt.head_map.rows
+    assert rt.step_no == 1 and int(rt.step_t) == 1 and rt.counts["replayed_steps"] == 1
+    assert rt.counts["decode_request_steps"] == 3 and worker.take_events() is None
+    worker.bind_connector_metadata(conn.OasisKVConnectorMetadata(StepEvents(fill=["a"], short_prefills=1)))
+    fill = ctx(CUDAGraphMode.FULL)
+    worker.start_load_kv(fill)
+    assert fill.cudagraph_runtime_mode == CUDAGraphMode.NONE and rt.step_no == 1
+    assert rt.counts["eager_graph_steps"] == 1 and worker.take_events().fill == ["a"]
+
+
 @pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
@@ -641,23 +824,29 @@ class _Step:
         self.layer = type("Layer", (), {"isa": self.builder.isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0,
                                         "layer_name": "model.layers.0.self_attn.attn"})()
 
-    def run(self, kv_cache, table, query_lens, seq_lens, q, k, v):
+    def run(self, kv_cache, table, query_lens, seq_lens, q, k, v, pad: int = 0):
+        """``pad``: requests appended as vLLM pads a full CUDA graph's batch (no query rows, ``seq_lens`` 0, null-block
+        table rows, two padding token rows each, slots -1)."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-        pos = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens)])
+        n = sum(query_lens)
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist() + [n] * pad, dtype=torch.int32)
+        pos = torch.cat([torch.arange(s - m, s) for m, s in zip(query_lens, seq_lens)])
         req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
         slots = (table[req, pos // BS].long() * BS + pos % BS)
-        seqs = torch.tensor(seq_lens, dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seqs, num_reqs=len(query_lens),
-            num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            block_table_tensor=table, slot_mapping=slots, seq_lens_cpu_upper_bound=seqs)
         self.impl.do_kv_cache_update(self.layer, k, v, kv_cache, slots)  # vLLM writes before the layer runs
+        seqs = torch.tensor(list(seq_lens) + [0] * pad, dtype=torch.int32)
+        table = torch.cat([table, torch.zeros(pad, table.shape[1], dtype=table.dtype)])
+        slots = torch.cat([slots, torch.full((2 * pad,), -1, dtype=slots.dtype)])
+        q, k, v = (torch.cat([t, torch.zeros(2 * pad, *t.shape[1:])]) for t in (q, k, v))
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seqs, num_reqs=len(query_lens) + pad,
+            num_actual_tokens=n + 2 * pad, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            block_table_tensor=table, slot_mapping=slots, seq_lens_cpu_upper_bound=seqs)
         meta = self.builder.build(0, common)
         out = torch.full_like(q, float("nan"))
         self.impl.forward(self.layer, q, k, v, kv_cache, meta, out)
-        return meta, out
+        return meta, out[:n]
 
 
 def _attend(q_row, keys, values, allowed):
@@ -762,23 +951,32 @@ _HOST_STEPS = [
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
-@pytest.mark.parametrize("mode, top_k", [("oasiskv", 16), ("proxy-prefetch", 16), ("oasiskv", 2),
-                                         ("proxy-prefetch", 2)])
-def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k):
+@pytest.mark.parametrize("mode, top_k, graphs", [("oasiskv", 16, False), ("proxy-prefetch", 16, False),
+                                                 ("oasiskv", 2, False), ("proxy-prefetch", 2, False),
+                                                 ("oasiskv", 2, True), ("proxy-prefetch", 16, True)])
+def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k, graphs):
     """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
     given by hand. Every prefill row equals causal attention (vLLM's kernel); a decode row attends exactly what its
     working set holds: with top-K covering the context, that is causal attention (exact); with top-K 2, the blocks
     of its per-head map before the step, the active block, and the block an accepted draft completed (the "gap"),
     checked against a reference built from the map. The working set always holds the true KV of the blocks its map
-    names, no step fetches more than the cap, and recall is measured."""
-    from oasiskv_runtime.vllm import connector
+    names, no step fetches more than the cap, and recall is measured.
+
+    ``graphs``: cuda_graphs='full' as vLLM would run it, on the CPU: every decode-only step without a fill is a
+    "replay": its host part by ``replay_step`` (what the connector's ``start_load_kv`` runs), then the forward's
+    capture path (what a capture records; a replay runs those ops again on new values) on vLLM's padded batch (a
+    padding request appended). Same references, same checks (no recall: it needs the host)."""
+    from oasiskv_runtime.vllm import connector, host_pool
     from oasiskv_runtime.vllm.requests import StepEvents
 
     torch.manual_seed(0)
-    step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=True)
+    step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=not graphs,
+                 cuda_graphs="full" if graphs else "off")
+    step.builder.full_graphs = graphs  # the builder's static plans (CUDA only in an engine)
+    replays = 0
     nb = 40
     kv_cache = torch.zeros(nb, HKV, BS, 2 * D)
-    perm = torch.randperm(nb)
+    perm = torch.randperm(nb - 1) + 1  # block 0 is vLLM's null block (padding rows point there)
     tables = {"a": perm[0:8], "b": perm[8:16], "c": perm[16:24]}
     tables["d"] = tables["c"]  # d starts on c's freed blocks: same first block, a new request
     keys = {r: torch.randn(128, HKV, D) for r in _PROMPTS}
@@ -807,14 +1005,24 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
             q_rows[r] = (sum(query_lens), n)
             query_lens.append(n)
             seq_lens.append(computed[r] + n)
-        events_box.append(ev)
+        replay = graphs and rt is not None and all(live[r][0] == "d" for r in order) and not ev.fill \
+            and not ev.short_prefills
+        if replay:
+            rt.full_graphs = True
+            rt.replay_step(ev, len(order))
+            replays += 1
+            monkeypatch.setattr(host_pool, "capturing", lambda: True)
+        events_box.append(None if replay else ev)  # a capture runs with no connector metadata bound
         before = None if rt is None else rt.head_map.slot_map[:, 0].clone()
         q = torch.randn(sum(query_lens), HQ, D)
         k = torch.cat([keys[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
         v = torch.cat([vals[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
         table = torch.stack([tables[r] for r in order]).int()
-        _, out = step.run(kv_cache, table, query_lens, seq_lens, q, k, v)
+        _, out = step.run(kv_cache, table, query_lens, seq_lens, q, k, v, pad=1 if replay else 0)
+        monkeypatch.setattr(host_pool, "capturing", lambda: False)
         rt = step.impl.runtime
+        if replay:  # the replayed prediction stamped its selections with this step (the stamp written before it)
+            assert int(rt.head_map.last_sel.max()) == rt.step_no
         for r in order:
             a, (row0, n) = live[r], q_rows[r]
             prefill = a[0] == "p"
@@ -862,7 +1070,9 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
     assert "c" not in rt.head_map.rows and set(rt.head_map.rows) == {"a", "b", "d"}
     assert st["fills"] == 4 and st["gap_rows"] >= 1 and st["fallback_steps"] == 1
     assert st["max_step_bytes_over_cap"] == 0 and st["fetched_bytes_per_step"] > 0
-    assert st["prediction_recall"] is None if top_k >= 16 else 0.0 <= st["prediction_recall"] <= 1.0
+    assert st["replayed_steps"] == replays and (replays >= 5) == graphs
+    if not graphs:
+        assert st["prediction_recall"] is None if top_k >= 16 else 0.0 <= st["prediction_recall"] <= 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from oasiskv_runtime.config import Mode
 from oasiskv_runtime.core.batch import DecodeBatch, SummaryWrites
 from oasiskv_runtime.core.predictor import Predictor, resident_block_ids
 from oasiskv_runtime.core.summaries import KeySummaries
@@ -197,12 +196,12 @@ class OasisKVBuilderMixin:
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
         # UNIFORM_BATCH: vLLM replays decode-only steps (every request 1 + num_speculative_tokens rows) from full CUDA
         # graphs, attention included; the step's batch is derived inside the forward from vLLM's persistent input
-        # buffers (StepPlan), so a replay recomputes it. NEVER keeps graphs piecewise (attention eager between the
-        # captured pieces): the host-pool modes, whose per-step request events and transfers run on the host.
+        # buffers (StepPlan), so a replay recomputes it (the host-pool modes' host part runs before each replay, in
+        # the KV connector's start_load_kv). NEVER keeps graphs piecewise (attention eager between the pieces).
         from vllm.v1.attention.backend import AttentionCGSupport
 
-        return AttentionCGSupport.UNIFORM_BATCH if full_graphs(VllmOptions.from_vllm_config(vllm_config)) \
-            else AttentionCGSupport.NEVER
+        opts = VllmOptions.from_vllm_config(vllm_config)
+        return AttentionCGSupport.UNIFORM_BATCH if opts is not None and opts.full_graphs else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
@@ -219,7 +218,7 @@ class OasisKVBuilderMixin:
                 "(engine_args sets it; `vllm serve ... --block-size 16`)")
         if self.oasiskv.parsed_mode.uses_host_pool:
             check_host_pool_config(vllm_config)
-        self.full_graphs = full_graphs(self.oasiskv) and torch.device(device).type == "cuda"
+        self.full_graphs = self.oasiskv.full_graphs and torch.device(device).type == "cuda"
         """Decode-only steps are planned on the static layout (vLLM may replay them from full CUDA graphs)."""
         # Decodes first, and a verify step's [token, draft] counts as a decode.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
@@ -271,12 +270,6 @@ class OasisKVBuilderMixin:
         plan = StepPlan()
         inner = super().build(0, common_attn_metadata, True)
         return OasisKVMetadata(inner=inner, plan=plan, num_actual_tokens=common_attn_metadata.num_actual_tokens)
-
-
-def full_graphs(opts: VllmOptions | None) -> bool:
-    """Whether decode-only steps may replay full CUDA graphs with these options (sparse-resident, ``cuda_graphs``
-    auto)."""
-    return opts is not None and opts.parsed_mode is Mode.SPARSE_RESIDENT and opts.cuda_graphs == "auto"
 
 
 def unsupported_features(impl: Any) -> list[str]:

@@ -66,12 +66,15 @@ class StepPlan:
     replayed stale)."""
 
     def __init__(self, batch: DecodeBatch | None = None, runs: SummaryRuns | None = None, num_decodes: int = 0,
-                 num_decode_tokens: int = 0, make: Callable[[], tuple] | None = None) -> None:
+                 num_decode_tokens: int = 0, make: Callable[[], tuple] | None = None,
+                 num_real: int | None = None) -> None:
         self._batch, self._runs, self._real = batch, runs, None
         self._make = make
         self.num_decodes = num_decodes
         """Leading requests served by sparse decode (padded requests included on the static layout)."""
         self.num_decode_tokens = num_decode_tokens
+        self.num_real = num_decodes if num_real is None else num_real
+        """The decode requests that are requests (not CUDA-graph padding), known on the host."""
 
     def _resolve(self) -> None:
         if self._make is not None:
@@ -193,8 +196,11 @@ def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, 
     batch (the graph was captured for that size; :func:`decode_batch` makes the padding harmless).
     """
     starts = query_start_loc_cpu
-    while num_decodes and not static and int(starts[num_decodes] - starts[num_decodes - 1]) == 0:
-        num_decodes -= 1  # padded requests sort after the real decodes
+    num_real = num_decodes
+    while num_real and int(starts[num_real] - starts[num_real - 1]) == 0:
+        num_real -= 1  # padded requests sort after the real decodes
+    if not static:
+        num_decodes = num_real
     num_decode_tokens = int(starts[num_decodes]) if num_decodes else 0
     prefill = None
     if int(starts[-1]) > num_decode_tokens:  # query rows after the decodes (not only padding): prefill chunks
@@ -217,7 +223,7 @@ def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, 
             valid.append(prefill[1])
         return batch, _runs(torch.cat(blocks), torch.cat(valid), block_size), real
 
-    return StepPlan(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, make=make)
+    return StepPlan(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, make=make, num_real=num_real)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ class OasisKVConnector(KVConnectorBase_V1):
         return events
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return
+        """Called before every scheduled forward, replayed or not: where a full-graph step's host part runs."""
+        prepare_replay(self, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -86,6 +87,38 @@ class OasisKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
+
+
+def prepare_replay(connector: OasisKVConnector, forward_context: Any) -> None:
+    """If vLLM is about to replay a full CUDA graph of a host-pool step (``cuda_graphs='full'``), run the step's
+    host part the replay cannot: the connector's events, the counters, the step stamp
+    (``HostPoolRuntime.replay_step``). A step whose events fill a working set (a request's final prefill chunk of one
+    or two tokens looks like a decode row, so its step can be a uniform decode batch) is run eagerly instead: its
+    runtime mode is set to NONE, and the forward takes the events as in any eager step."""
+    from vllm.config import CUDAGraphMode
+
+    from oasiskv_runtime.vllm.host_pool import current_runtime
+
+    rt = current_runtime()
+    if rt is None or not rt.full_graphs or getattr(forward_context, "cudagraph_runtime_mode", None) \
+            != CUDAGraphMode.FULL:
+        return
+    events = connector._queued
+    if events is not None and (events.fill or events.short_prefills):
+        forward_context.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        rt.counts["eager_graph_steps"] += 1
+        return
+    rt.replay_step(connector.take_events(), _num_decodes(forward_context))
+
+
+def _num_decodes(forward_context: Any) -> int:
+    """The step's decode requests without CUDA-graph padding (the builder's plan knows them on the host)."""
+    metadata = getattr(forward_context, "attn_metadata", None)
+    for meta in (metadata.values() if isinstance(metadata, dict) else ()):
+        plan = getattr(meta, "plan", None)
+        if plan is not None:
+            return plan.num_real
+    return 0
 
 
 def connector_events() -> tuple[bool, StepEvents | None]:

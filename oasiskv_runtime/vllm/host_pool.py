@@ -53,6 +53,11 @@ from oasiskv_runtime.vllm.requests import StepEvents
 _LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (vLLM's full-graph capture of a decode-only step)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def layer_index(layer_name: str) -> int:
     """The decoder layer index in a vLLM attention layer's name (exactly one integer component)."""
     found = _LAYER_INDEX.findall("." + layer_name)
@@ -67,7 +72,11 @@ class _Step:
 
     plan: StepPlan
     real: bool
-    """The step came with connector events (a scheduled step), not a warm-up or profiling forward."""
+    """The step came with connector events (a scheduled step) or is being captured for replays, not a warm-up or
+    profiling forward."""
+    captured: bool = False
+    """Recorded into a full CUDA graph: its host part runs before every replay (:meth:`HostPoolRuntime.replay_step`),
+    its device part is what the capture records."""
     decode: HostPoolBatch | None = None
     fill: FillBatch | None = None
     fallback: bool = False
@@ -125,8 +134,16 @@ class HostPoolRuntime:
         self.step_no = 0
         self.cur: _Step | None = None
         self._pending_ready: torch.Tensor | None = None
-        self.counts = {"steps": 0, "decode_request_steps": 0, "fills": 0, "fallback_steps": 0, "gap_rows": None,
-                       "step_cap_blocks": 0}
+        self.full_graphs = False
+        """vLLM may replay decode-only steps from full CUDA graphs (``VllmOptions.full_graphs`` and CUDA; set by
+        :func:`runtime_for`)."""
+        self.step_t = torch.zeros((), dtype=torch.long, device=device)
+        """The step stamped into selections by a captured step (written before each replay; eager steps stamp
+        ``step_no``)."""
+        self.counts = {"steps": 0, "decode_request_steps": 0, "fills": 0, "fallback_steps": 0, "step_cap_blocks": 0,
+                       "replayed_steps": 0, "eager_graph_steps": 0}
+        self._gap_rows = torch.zeros((), dtype=torch.long, device=device)
+        """Rows whose last prediction could not rank the block before the active one (accumulated in place)."""
         self._cap_excess = torch.zeros((), dtype=torch.long, device=device)
         """Most blocks one step fetched beyond its cap (0 when every step stayed within it)."""
         self._fetched_before = torch.zeros((), dtype=torch.long, device=device)
@@ -134,6 +151,9 @@ class HostPoolRuntime:
     # ---- options changed on a running engine (A/B runs: llm.apply_model(configure)) -----------------------------
     def configure(self, mode: str | None = None, fetch_ratio: float | None = None,
                   measure_recall: bool | None = None) -> None:
+        if self.full_graphs and (mode is not None or fetch_ratio is not None):
+            raise ValueError("with full CUDA graphs (cuda_graphs='full') the predicting row and the fetch cap are "
+                             "recorded in vLLM's captured graphs: start an engine per setting, or cuda_graphs='auto'")
         if mode is not None:
             m = Mode.parse(mode)
             if m not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
@@ -169,48 +189,78 @@ class HostPoolRuntime:
             self.ready[row] = False
 
     # ---- per step ---------------------------------------------------------------------------------------------
-    def begin_step(self, plan: StepPlan, events: StepEvents | None, common: dict) -> _Step:
-        """The first layer of a step: apply the connector's events, map the decode rows to state rows, plan the
-        working-set fills. ``common``: the builder's step tensors (query_start_loc, seq_lens, block_table,
-        slot_mapping, num_tokens, max_seq_len)."""
+    def _host_step(self, events: StepEvents, num_decodes: int) -> None:
+        """A scheduled step's host part: last step's fills become ready, the connector's events, the counters."""
+        if self._pending_ready is not None:  # last step's fills: those requests decode over their working sets now
+            self.ready.index_fill_(0, self._pending_ready, True)
+            self._pending_ready = None
+        self.step_no += 1
+        self.counts["steps"] += 1
+        self.apply(events)
+        if num_decodes:
+            self.stats.begin_step(num_decodes)
+            self.counts["decode_request_steps"] += num_decodes
+            self.counts["step_cap_blocks"] = max(self.counts["step_cap_blocks"],
+                                                 num_decodes * self._cap_per_request)
+
+    @property
+    def _cap_per_request(self) -> int:
+        """Blocks one decode request may fetch per step: the cap per KV head and layer, for every head and layer."""
+        return self.head_map.slot_map.shape[2] * self.num_layers * self.cap
+
+    def replay_step(self, events: StepEvents | None, num_decodes: int) -> None:
+        """Before vLLM replays a captured step (from the KV connector's ``start_load_kv``): the host part the replay
+        cannot run, then the step stamp the graph reads. ``num_decodes``: the step's decode requests (no padding)."""
         if self.cur is not None and not self.cur.ended:
             self._end_step()
         if self.transfer.background:
+            # an eager step's copies may still run on the side streams: the replay's layers read what they write
+            self.transfer.wait_all()
+            self.transfer.forget()
+        self.cur = None
+        self._host_step(events if events is not None else StepEvents(), num_decodes)
+        self.step_t.fill_(self.step_no)
+        self.counts["replayed_steps"] += 1
+
+    def begin_step(self, plan: StepPlan, events: StepEvents | None, common: dict) -> _Step:
+        """The first layer of a step: apply the connector's events, map the decode rows to state rows, plan the
+        working-set fills. ``common``: the builder's step tensors (query_start_loc, seq_lens, block_table,
+        slot_mapping, num_tokens, max_seq_len). Under a full-graph capture only the device part runs (recorded for
+        the replays, whose host part :meth:`replay_step` runs)."""
+        if self.cur is not None and not self.cur.ended:
+            self._end_step()
+        captured = capturing()
+        if captured:
+            if not self.full_graphs:
+                raise RuntimeError("OasisKV: a full CUDA graph is being captured but this runtime was made for "
+                                   "piecewise graphs (cuda_graphs)")
+            self.transfer.forget()  # a capture cannot wait on events recorded outside it
+        elif self.transfer.background:
             # Last step's batch tensors are freed once this step's replace them, and their memory reused on this
             # stream: order it after every background job that read them (a GPU-side wait, not a host sync), as the
             # embedded engine does.
             self.transfer.wait_all()
-        if self._pending_ready is not None:  # last step's fills: those requests decode over their working sets now
-            self.ready.index_fill_(0, self._pending_ready, True)
-            self._pending_ready = None
-        st = _Step(plan=plan, real=events is not None, slot_mapping=common["slot_mapping"],
-                   num_tokens=common["num_tokens"])
+        st = _Step(plan=plan, real=events is not None or captured, captured=captured,
+                   slot_mapping=common["slot_mapping"], num_tokens=common["num_tokens"])
         self.cur = st
-        if events is None:  # a warm-up / profiling forward: vLLM's cache serves the decode rows, nothing is kept
+        if not st.real:  # a warm-up / profiling forward: vLLM's cache serves the decode rows, nothing is kept
             st.fallback = True
             return st
-        self.step_no += 1
-        self.counts["steps"] += 1
-        self.apply(events)
+        if not captured:
+            self._host_step(events, plan.num_real)
         b = plan.batch
         if b is not None:
             rows = self.row_of_block[b.primary_table[:, 0]]
             rows = torch.where(rows >= 0, rows, torch.full_like(rows, self.scratch_row))
             ready = self.ready[rows]
             st.decode = host_pool_batch(b, rows, ready, self.bound[rows], self.k_slots, self.block_size,
-                                        self.step_no)
+                                        self.step_t if captured else self.step_no)
             self.bound[rows] = torch.where(ready, st.decode.next_bound, self.bound[rows])
-            st.fallback = events.short_prefills > 0
+            st.fallback = not captured and events.short_prefills > 0
             if self.opts.measure_recall:  # recall matches rows across steps by request: the first blocks identify them
                 st.decode.batch.seq_ids = [int(x) for x in b.primary_table[:, 0].tolist()]
-            n = len(b.seq_ids)
-            self.stats.begin_step(n)
-            self.counts["decode_request_steps"] += n
-            self.counts["step_cap_blocks"] = max(self.counts["step_cap_blocks"],
-                                                 n * self.head_map.slot_map.shape[2] * self.num_layers * self.cap)
-            gaps = (st.decode.gap_block >= 0).sum()
-            self.counts["gap_rows"] = gaps if self.counts["gap_rows"] is None else self.counts["gap_rows"] + gaps
-        fills = [r for r in events.fill if r in self.first]
+            self._gap_rows += ((st.decode.gap_block >= 0) & plan.real_rows).sum()
+        fills = [] if captured else [r for r in events.fill if r in self.first]
         if fills:
             long = lambda xs: host_list_to(xs, torch.long, self.device)  # noqa: E731
             rows = long([self.head_map.rows[r] for r in fills])
@@ -309,11 +359,18 @@ class HostPoolRuntime:
         prio = self.kernels.pipeline_priority
         self.transfer.end_step(prio)
         if st.decode is not None:  # this step's copies against its cap, counted where end_step counts (no sync)
-            cap = len(st.decode.batch.seq_ids) * self.head_map.slot_map.shape[2] * self.num_layers * self.cap
-            with self.transfer.on(self.transfer.streams(prio)[2] if self.transfer.background else None):
+            limit = st.plan.real_rows.sum() * self._cap_per_request
+            xs = self.transfer.streams(prio)[2] if self.transfer.background else None
+            if xs is not None:
+                limit.record_stream(xs)
+            with self.transfer.on(xs):
                 total = self.transfer.counters.fetched.sum()
-                torch.maximum(self._cap_excess, total - self._fetched_before - cap, out=self._cap_excess)
+                torch.maximum(self._cap_excess, total - self._fetched_before - limit, out=self._cap_excess)
                 self._fetched_before.copy_(total)
+        if st.captured and self.transfer.background:
+            # a captured step ends joined (the replay is complete when the graph is), and its events stay inside it
+            self.transfer.join(prio)
+            self.transfer.forget()
 
     # ---- reporting ----------------------------------------------------------------------------------------------
     def run_stats(self) -> dict:
@@ -325,7 +382,8 @@ class HostPoolRuntime:
         out.update(mode=self.mode.value, fetch_cap=self.cap, steps=c["steps"],
                    decode_request_steps=c["decode_request_steps"], fills=c["fills"],
                    fallback_steps=c["fallback_steps"],
-                   gap_rows=int(c["gap_rows"]) if c["gap_rows"] is not None else 0,
+                   gap_rows=int(self._gap_rows), replayed_steps=c["replayed_steps"],
+                   eager_graph_steps=c["eager_graph_steps"],
                    max_step_cap_bytes=c["step_cap_blocks"] * unit,
                    max_step_bytes_over_cap=int(self._cap_excess) * unit,
                    running_requests=len(self.first), kv_heads=self.head_map.slot_map.shape[2],
@@ -336,12 +394,20 @@ class HostPoolRuntime:
         self.pipeline.reset_counters()
         self._cap_excess.zero_()
         self._fetched_before.zero_()
-        self.counts.update(steps=0, decode_request_steps=0, fills=0, fallback_steps=0, gap_rows=None,
-                           step_cap_blocks=0)
+        self._gap_rows.zero_()
+        self.counts.update(steps=0, decode_request_steps=0, fills=0, fallback_steps=0, step_cap_blocks=0,
+                           replayed_steps=0, eager_graph_steps=0)
 
 
 _RUNTIMES: dict[int, tuple[Any, HostPoolRuntime]] = {}
 """Per engine config (by id; the config is kept alive beside its runtime): the process's runtime."""
+
+
+def current_runtime() -> HostPoolRuntime | None:
+    """This process's runtime, if a host-pool engine has run a step (the KV connector's worker side reads it)."""
+    for _, rt in _RUNTIMES.values():
+        return rt
+    return None
 
 
 def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtype: torch.dtype, scale: float
@@ -357,10 +423,14 @@ def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtyp
     pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
     if pp != 1:
         raise NotImplementedError("OasisKV's host-pool modes on vLLM run without pipeline parallelism")
+    if capturing():
+        raise RuntimeError("OasisKV: the host-pool runtime would be made inside a CUDA-graph capture (no eager forward "
+                           "ran first); run with cuda_graphs='auto' and report this")
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     nb, _, hkv, d = k_cache.shape
     rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device,
                          vllm_config.scheduler_config.max_num_seqs, scale)
+    rt.full_graphs = opts.full_graphs and k_cache.device.type == "cuda"
     _RUNTIMES.clear()  # one engine per process at a time (in-process test engines come one after another)
     _RUNTIMES[id(vllm_config)] = (vllm_config, rt)
     return rt

@@ -51,9 +51,10 @@ class VllmOptions:
     measure_recall: bool = _default("measure_recall")
     """Host-pool modes: recall of each layer's prediction against the true next query's top-K (host round trips)."""
     cuda_graphs: str = _default("cuda_graphs")
-    """``auto``: vLLM replays decode-only steps from full CUDA graphs, attention included, where the mode allows
-    (sparse-resident; the host-pool modes' request events and transfers run on the host, so their attention stays
-    eager between vLLM's piecewise graphs); ``off``: piecewise graphs only in every mode."""
+    """``auto``: vLLM replays decode-only steps from full CUDA graphs, attention included, in sparse-resident (measured
+    on the H200); the host-pool modes stay piecewise. ``full``: the host-pool modes too (their request events applied
+    before each replay by the KV connector, steps with a working-set fill run eagerly; not yet run with vLLM on a
+    GPU). ``off``: vLLM's piecewise graphs only (our attention eager between them), in every mode."""
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
@@ -62,16 +63,16 @@ class VllmOptions:
             raise ValueError(f"mode {mode.value!r} does not run on vLLM; choose one of: {names}")
         object.__setattr__(self, "mode", mode.value)
         for f in fields(self):
-            if f.name != "mode":
+            if f.name not in ("mode", "cuda_graphs"):
                 _SPECS[f.name].validate(getattr(self, f.name))
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
                              f"{', '.join(VLLM_SCORES)} (attention and gauss read every key: embedded-engine study "
                              f"settings)")
-        if self.cuda_graphs not in ("auto", "off"):
-            raise ValueError(f"cuda_graphs on vLLM is auto or off, got {self.cuda_graphs!r} (static is the embedded "
-                             f"engine's CPU test layout)")
+        if self.cuda_graphs not in ("auto", "full", "off"):
+            raise ValueError(f"cuda_graphs on vLLM is auto, full or off, got {self.cuda_graphs!r} (static is the "
+                             f"embedded engine's CPU test layout)")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
@@ -84,6 +85,17 @@ class VllmOptions:
     @property
     def parsed_mode(self) -> Mode:
         return Mode(self.mode)
+
+    @property
+    def full_graphs(self) -> bool:
+        """Whether vLLM may replay decode-only steps from full CUDA graphs with these options: sparse-resident unless
+        ``cuda_graphs`` is off; the host-pool modes with ``cuda_graphs='full'`` and without ``measure_recall``
+        (recall is accumulated on the host)."""
+        if not self.enabled or self.cuda_graphs == "off":
+            return False
+        if self.parsed_mode is Mode.SPARSE_RESIDENT:
+            return True
+        return self.cuda_graphs == "full" and not self.measure_recall
 
     @property
     def enabled(self) -> bool:
