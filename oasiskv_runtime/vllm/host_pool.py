@@ -214,8 +214,10 @@ class HostPoolRuntime:
         if self.cur is not None and not self.cur.ended:
             self._end_step()
         if self.transfer.background:
-            # an eager step's copies may still run on the side streams: the replay's layers read what they write
+            # an eager step's copies (and their counting) may still run on the side streams: the replay's layers
+            # read what they write, and its own counting updates the same counters
             self.transfer.wait_all()
+            self.transfer.settle(self.kernels.pipeline_priority)
             self.transfer.forget()
         self.cur = None
         self._host_step(events if events is not None else StepEvents(), num_decodes)
