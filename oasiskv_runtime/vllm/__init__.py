@@ -68,8 +68,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     ``eagle3:<dir>`` or ``none``; any draft is vLLM's own speculative decoding with one token, and turns vLLM's
     stats on so the acceptance rate can be read (:func:`acceptance`). ``measure_recall``: host-pool modes report
     each layer's prediction recall (host round trips). ``cuda_graphs``: ``auto`` (decode-only steps replay full CUDA
-    graphs where the mode allows: sparse-resident) or ``off`` (vLLM's piecewise graphs only). ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current
-    platform).
+    graphs in sparse-resident), ``full`` (in the host-pool modes too) or ``off`` (vLLM's piecewise graphs only; see
+    ``VllmOptions.cuda_graphs``). ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
     """

@@ -65,10 +65,12 @@ class StepPlan:
     recomputes them from the replayed step's values (a batch made in the builder, outside the capture, would be
     replayed stale)."""
 
-    def __init__(self, batch: DecodeBatch | None = None, runs: SummaryRuns | None = None, num_decodes: int = 0,
-                 num_decode_tokens: int = 0, make: Callable[[], tuple] | None = None,
+    def __init__(self, num_decodes: int = 0, num_decode_tokens: int = 0, make: Callable[[], tuple] | None = None,
                  num_real: int | None = None) -> None:
-        self._batch, self._runs, self._real = batch, runs, None
+        """``make() -> (batch, runs, real_rows)``: the device part (None: nothing to decode or rebuild)."""
+        self._batch: DecodeBatch | None = None
+        self._runs: SummaryRuns | None = None
+        self._real: torch.Tensor | None = None
         self._make = make
         self.num_decodes = num_decodes
         """Leading requests served by sparse decode (padded requests included on the static layout)."""
@@ -97,8 +99,6 @@ class StepPlan:
     def real_rows(self) -> torch.Tensor | None:
         """[B] bool: the decode rows that are requests (False: CUDA-graph padding), None without decodes."""
         self._resolve()
-        if self._real is None and self._batch is not None:
-            self._real = torch.ones_like(self._batch.has_draft)
         return self._real
 
 
@@ -207,7 +207,9 @@ def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, 
         if seq_lens_cpu is None:
             raise ValueError("plan_step: prefill requests need their host seq_lens")
         prefill = prefill_runs(starts, seq_lens_cpu, block_table, num_decodes, block_size)
-    if not num_decodes and (prefill is None or not prefill[0].numel()):
+        if not prefill[0].numel():
+            prefill = None
+    if not num_decodes and prefill is None:
         return StepPlan(num_decode_tokens=num_decode_tokens)
 
     def make() -> tuple:
@@ -218,7 +220,7 @@ def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, 
                                              block_size)
             blocks.append(b)
             valid.append(v)
-        if prefill is not None and prefill[0].numel():
+        if prefill is not None:
             blocks.append(prefill[0])
             valid.append(prefill[1])
         return batch, _runs(torch.cat(blocks), torch.cat(valid), block_size), real
