@@ -471,19 +471,16 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, monkeypatch):
                 rt.decode(layer, q, k, v, kc, vc, d ** -0.5, outs[layer])
             rt.after_attention(layer, q, kc, vc)
 
-    def step_inputs(query_lens, seq_lens, table, pad=0):
-        n = sum(query_lens)
-        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist() + [n] * pad, dtype=torch.int32)
-        seqs = torch.tensor(list(seq_lens) + [0] * pad, dtype=torch.int32)
+    def step_inputs(query_lens, seq_lens, table):
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+        seqs = torch.tensor(seq_lens, dtype=torch.int32)
         pos = torch.cat([torch.arange(s - m, s) for m, s in zip(query_lens, seq_lens)]).to(device)
         req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens)).to(device)
         slots = table[req, pos // BS].long() * BS + pos % BS
-        table = torch.cat([table, torch.zeros(pad, table.shape[1], dtype=table.dtype, device=device)])
-        slots = torch.cat([slots, torch.full((pad * max(query_lens),), -1, dtype=torch.long, device=device)])
         qkv = [(rand(len(slots), hq, d), rand(len(slots), hkv, d), rand(len(slots), hkv, d)) for _ in range(layers)]
         for layer, (_, k, v) in enumerate(qkv):  # what vLLM writes into its cache before the layer runs
-            caches[layer][0].view(-1, hkv, d)[slots[:n]] = k[:n]
-            caches[layer][1].view(-1, hkv, d)[slots[:n]] = v[:n]
+            caches[layer][0].view(-1, hkv, d)[slots] = k
+            caches[layer][1].view(-1, hkv, d)[slots] = v
         common = {"query_start_loc": qsl.to(device), "seq_lens": seqs.to(device), "block_table": table,
                   "slot_mapping": slots, "num_tokens": len(slots), "max_seq_len": max(seq_lens)}
         return qsl, seqs, common, qkv
