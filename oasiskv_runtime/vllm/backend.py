@@ -528,6 +528,7 @@ def oasiskv_backend(base: type) -> type:
         "get_builder_cls": staticmethod(lambda: builder),
         "get_impl_cls": staticmethod(lambda: impl),
         "get_supported_kernel_block_sizes": staticmethod(_decode_supported_block_sizes),
+        "oasiskv": True,
         "__module__": PLUGIN_MODULE,
     })
     cls.__qualname__ = qualname

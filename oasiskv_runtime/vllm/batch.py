@@ -16,12 +16,14 @@ state); the host-pool modes map them to stable rows (:func:`host_pool_batch`, ``
 are computed on the device from ``seq_lens`` (exact even when the host only has an upper bound, as under
 asynchronous scheduling with speculation); only the prefill runs are planned on the host.
 
-Key summaries are indexed by the physical block of vLLM's paged cache (one ``[Hkv, D]`` row per block), not by
-request: a block's summary describes its content, so it needs no per-request slot, stays right when prefix caching
-shares a block between requests, and is rebuilt when vLLM reuses the block (its first write resets it). With a
-summary tensor of shape ``[num_blocks, 1, Hkv, D]`` the ops' paged-summary convention ("logical block ``j`` is row
-``j % S`` of summary block ``table[b, j // S]``", ``S`` = the tensor's dim 1) reads it with ``S = 1`` and vLLM's
-block table as the summary table.
+In sparse-resident, key summaries are indexed by the physical block of vLLM's paged cache (one ``[Hkv, D]`` row per
+block), not by request: a block's summary describes its content, so it needs no per-request slot, stays right when
+prefix caching shares a block between requests, and is rebuilt when vLLM reuses the block (its first write resets
+it). With a summary tensor of shape ``[num_blocks, 1, Hkv, D]`` the ops' paged-summary convention ("logical block
+``j`` is row ``j % S`` of summary block ``table[b, j // S]``", ``S`` = the tensor's dim 1) reads it with ``S = 1``
+and vLLM's block table as the summary table. The host-pool modes key them, and the pool, by (state row, logical
+block) instead (vLLM frees a decoding request's blocks: ``vllm/kv_spec.py``), and pass that table
+(``host_table``) where sparse-resident passes vLLM's.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class SummaryRuns:
     """
 
     blocks: torch.Tensor
-    """[R] int64: physical block of each run (= its summary row)."""
+    """[R] int64: physical block of each run (read from the paged cache; sparse-resident: also its summary row)."""
+    reqs: torch.Tensor
+    """[R] int64: the run's request (its index in the step's batch)."""
+    logical: torch.Tensor
+    """[R] int64: the run's logical block in its request (the host-pool modes key summaries by request row and
+    logical block: ``HostPoolRuntime.summary_dest``)."""
     pad_idx: torch.Tensor
     """[R * block_size] int64: per run, indices into the gathered ``[R * block_size]`` cache rows: its valid rows,
     then copies of its first (min / max are idempotent)."""
@@ -102,21 +109,23 @@ class StepPlan:
         return self._real
 
 
-def _runs(blocks: torch.Tensor, valid: torch.Tensor, block_size: int) -> SummaryRuns:
+def _runs(blocks: torch.Tensor, valid: torch.Tensor, reqs: torch.Tensor, logical: torch.Tensor,
+          block_size: int) -> SummaryRuns:
     r = blocks.numel()
     dev = blocks.device
     col = torch.arange(block_size, device=dev).view(1, block_size)
     base = (torch.arange(r, device=dev) * block_size).view(r, 1)
     pad_idx = (base + torch.where(col < valid.view(r, 1), col, torch.zeros_like(col))).flatten()
-    return SummaryRuns(blocks=blocks.long(), pad_idx=pad_idx, reset=torch.ones(r, dtype=torch.bool, device=dev))
+    return SummaryRuns(blocks=blocks.long(), reqs=reqs.long(), logical=logical.long(), pad_idx=pad_idx,
+                       reset=torch.ones(r, dtype=torch.bool, device=dev))
 
 
 def decode_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                  num_decodes: int, max_seq_len: int, block_size: int
-                 ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The leading ``num_decodes`` requests as a :class:`DecodeBatch`, plus their summary runs' blocks and valid
-    rows (two runs per request: the token's block and the last written row's block, identical when they coincide),
-    and ``real`` [B] bool (False for padded requests).
+                 ) -> tuple[DecodeBatch, tuple[torch.Tensor, ...], torch.Tensor]:
+    """The leading ``num_decodes`` requests as a :class:`DecodeBatch`, plus their summary runs' (blocks, valid rows,
+    requests, logical blocks) (two runs per request: the token's block and the last written row's block, identical
+    when they coincide), and ``real`` [B] bool (False for padded requests).
 
     Padded requests (vLLM pads a CUDA-graph batch with requests of no query rows, ``seq_lens`` 0 and null-block
     table rows) come out harmless: their rows point at the first token row after the real ones (padding too), they
@@ -153,13 +162,15 @@ def decode_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     )
     run_blocks = torch.cat([blocks_at(j_tok), blocks_at(j_last)])
     run_valid = torch.cat([torch.clamp(seq - j_tok * bs, max=bs), seq - j_last * bs])
-    return batch, run_blocks, run_valid, real
+    reqs = torch.arange(nd, device=seq.device)
+    return batch, (run_blocks, run_valid, torch.cat([reqs, reqs]), torch.cat([j_tok, j_last])), real
 
 
 def prefill_runs(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, block_table: torch.Tensor,
-                 first: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks touched by requests ``first..R-1`` (prefill chunks) and their valid rows after this step, planned on the
-    host (prefill rows' host lengths are exact) and looked up in ``block_table`` on its device."""
+                 first: int, block_size: int) -> tuple[torch.Tensor, ...]:
+    """Blocks touched by requests ``first..R-1`` (prefill chunks), their valid rows after this step, their requests
+    and logical blocks, planned on the host (prefill rows' host lengths are exact) and looked up in ``block_table``
+    on its device."""
     bs = block_size
     reqs: list[int] = []
     logical: list[int] = []
@@ -177,11 +188,11 @@ def prefill_runs(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, 
     dev = block_table.device
     if not reqs:
         empty = torch.empty(0, dtype=torch.long, device=dev)
-        return empty, empty
+        return empty, empty, empty, empty
     # pinned, non-blocking uploads: a pageable copy would make the host wait for the GPU's queued work (the last
     # step's forward) in every prefill step (three host syncs per step in the H200 profile)
     r_t, j_t, v_t = (host_list_to(x, torch.long, dev) for x in (reqs, logical, valid))
-    return block_table[r_t, j_t].long(), v_t
+    return block_table[r_t, j_t].long(), v_t, r_t, j_t
 
 
 def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, seq_lens: torch.Tensor,
@@ -214,16 +225,14 @@ def plan_step(query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, 
 
     def make() -> tuple:
         batch = real = None
-        blocks, valid = [], []
+        parts = []
         if num_decodes:
-            batch, b, v, real = decode_batch(query_start_loc, seq_lens, block_table, num_decodes, max_seq_len,
+            batch, runs, real = decode_batch(query_start_loc, seq_lens, block_table, num_decodes, max_seq_len,
                                              block_size)
-            blocks.append(b)
-            valid.append(v)
+            parts.append(runs)
         if prefill is not None:
-            blocks.append(prefill[0])
-            valid.append(prefill[1])
-        return batch, _runs(torch.cat(blocks), torch.cat(valid), block_size), real
+            parts.append(prefill)
+        return batch, _runs(*(torch.cat(xs) for xs in zip(*parts)), block_size), real
 
     return StepPlan(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, make=make, num_real=num_real)
 
@@ -282,11 +291,12 @@ class HostPoolBatch:
 
 
 def host_pool_batch(b: DecodeBatch, rows: torch.Tensor, ready: torch.Tensor, bound: torch.Tensor, k_slots: int,
-                    block_size: int, step: int) -> HostPoolBatch:
+                    block_size: int, step: int, host_table: torch.Tensor) -> HostPoolBatch:
     """The :class:`HostPoolBatch` of :func:`plan_step`'s decode batch ``b``, on the device (no host sync).
 
     ``rows`` [B]: each request's state row; ``ready`` [B]: whether it has a working set; ``bound`` [B]: the candidate
-    count its last prediction ranked (:attr:`HostPoolBatch.next_bound` of its previous step, or of its fill).
+    count its last prediction ranked (:attr:`HostPoolBatch.next_bound` of its previous step, or of its fill);
+    ``host_table`` [B, NB]: each request's pool block (= summary row) of each logical block.
     """
     bs = block_size
     rows = rows.long()
@@ -305,7 +315,8 @@ def host_pool_batch(b: DecodeBatch, rows: torch.Tensor, ready: torch.Tensor, bou
     next_candidates = torch.where(ready, b.next_candidates, zero)
     core = dataclasses.replace(
         b, seq_ids=list(b.seq_ids), state_rows=rows, local_block=local, num_candidates=num_candidates,
-        next_candidates=next_candidates, slot_blocks=selection_blocks(rows, k_slots), step=step, _memo={})
+        next_candidates=next_candidates, slot_blocks=selection_blocks(rows, k_slots), step=step, _memo={},
+        summary_table=host_table.int(), primary_table=host_table)
     return HostPoolBatch(batch=core, ready=ready, gap_block=gap_block, local_dst=torch.cat([tok_dst, draft_dst]),
                          local_src=torch.cat([b.q_rows, b.draft_rows]), next_bound=next_candidates, resident=b)
 
@@ -326,9 +337,10 @@ class FillBatch:
 
 def fill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                first_blocks: torch.Tensor, rows: torch.Tensor, k_slots: int, block_size: int, max_seq_len: int,
-               step: int, seq_ids: list) -> FillBatch:
+               step: int, seq_ids: list, host_table: torch.Tensor) -> FillBatch:
     """The :class:`FillBatch` of the requests whose first physical blocks are ``first_blocks`` [F] (state rows
-    ``rows`` [F]), found in this step's block table on the device (no host sync)."""
+    ``rows`` [F], pool blocks ``host_table`` [F, NB] as in :func:`host_pool_batch`), found in this step's block table
+    on the device (no host sync)."""
     bs = block_size
     table = block_table.long()
     match = table[:, 0][None, :] == first_blocks.long()[:, None]          # [F, R]
@@ -344,7 +356,7 @@ def fill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
     batch = DecodeBatch(
         seq_ids=list(seq_ids), state_rows=rows, q_rows=q_rows, draft_rows=q_rows,
         has_draft=torch.zeros_like(rows, dtype=torch.bool), local_block=base + (n // bs) % LOCAL_SLOTS,
-        local_len=n % bs, num_candidates=nc, next_candidates=nc, summary_table=req_table.int(),
-        primary_table=req_table, slot_blocks=selection_blocks(rows, k_slots),
+        local_len=n % bs, num_candidates=nc, next_candidates=nc, summary_table=host_table.int(),
+        primary_table=host_table.long(), slot_blocks=selection_blocks(rows, k_slots),
         max_candidates=max(0, max_seq_len // bs), max_next_candidates=max(0, max_seq_len // bs), step=step)
     return FillBatch(batch=batch, tail_src=req_table.gather(1, col[:, None]).view(-1), tail_dst=batch.local_block)

@@ -8,9 +8,9 @@ the scheduler process (role SCHEDULER) and one per worker (role WORKER):
   :class:`~oasiskv_runtime.vllm.requests.StepEvents` (requests that start, end, complete their prefill), sent with
   the step as the connector metadata. It never loads KV (``get_num_new_matched_tokens`` is 0) and never delays a
   block free.
-* worker side: ``bind_connector_metadata`` (called before every forward, also for steps without one) queues the
-  events; the attention layers' shared state (``vllm/host_pool.py``) takes them when its step starts
-  (:meth:`take_events`).
+* worker side: ``bind_connector_metadata`` (called before every forward, also for steps without one) applies the
+  starts and frees to the attention layers' shared state (``vllm/host_pool.py``) once it exists, and queues the
+  rest (fills), which the state takes when its step starts (:meth:`take_events`).
 
 The per-layer KV work (pool writes, waits, prefetch) is in the attention implementation, not in ``save_kv_layer`` /
 ``wait_for_layer_load``: vLLM calls ``save_kv_layer`` after the layer's attention, but the prefetch and the working
@@ -47,8 +47,17 @@ class OasisKVConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         events = getattr(connector_metadata, "events", None)
-        if events is not None:
-            self._queued = events if self._queued is None else self._queued.merge(events)
+        if events is None:
+            return
+        self._queued = events if self._queued is None else self._queued.merge(events)
+        from oasiskv_runtime.vllm.host_pool import current_runtime
+
+        rt = current_runtime()
+        if rt is not None and (self._queued.free or self._queued.start):
+            # the lifecycle now, in order: a step without a forward (vLLM's last one, which only tells the workers
+            # which requests finished) runs no layer that would apply it, and the queue would hold their rows
+            rt.apply(self._queued)
+            self._queued = StepEvents(fill=self._queued.fill, short_prefills=self._queued.short_prefills)
 
     def take_events(self) -> StepEvents | None:
         """The events bound since the last call (None: none were, e.g. a warm-up forward)."""

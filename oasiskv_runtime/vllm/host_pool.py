@@ -7,11 +7,14 @@ known); a layer's index is parsed from its name (``model.layers.7.self_attn.attn
 
 Where things live:
 
-* **full KV, pinned host memory**: a ``transfer.host_pool.HostKVPool`` with vLLM's block count, indexed by vLLM's
-  physical block id, so the core's ``primary_table`` is vLLM's block table and a token's pool row is its
-  ``slot_mapping`` entry. Written at every layer with the step's new K/V rows (``HostKVPool.write_rows``).
-* **key summaries, on the device**: per physical block (``[num_blocks, 1, Hkv, D]``), rebuilt each step for the
-  blocks it wrote into from vLLM's paged cache, as in sparse-resident (exact under rejected drafts).
+* **full KV, pinned host memory**: a ``transfer.host_pool.HostKVPool`` of ``blocks_per_row`` blocks
+  (``max_model_len``'s) per state row: logical block ``j`` of the request in row ``r`` is pool block
+  ``r * blocks_per_row + j`` (the core's ``primary_table``, :meth:`HostPoolRuntime.host_table`), independent of
+  vLLM's physical blocks, which vLLM frees once a request decodes (working-set admission, ``vllm/kv_spec.py``).
+  Written at every layer with the step's new K/V rows at their positions (``HostKVPool.write_rows``).
+* **key summaries, on the device**: the same addressing (``[(rows + 1) * blocks_per_row, 1, Hkv, D]``, the scratch
+  row included), rebuilt each step for the blocks it wrote into from vLLM's paged cache, as in sparse-resident
+  (exact under rejected drafts).
 * **working sets, on the device**: ``LOCAL_SLOTS + K`` blocks per state row in a ``PagedKVCache`` of our own
   (``vllm/batch.py``: two local slots for the active block, the K selection slots of the ``HeadMap``).
 * **state rows**: a ``HeadMap`` row per running request, keyed by vLLM's request id (start / free / fill events from
@@ -28,6 +31,7 @@ whose prefill completes, ``pipeline.fill`` and their prompt tail into the local 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Any
 
@@ -81,7 +85,12 @@ class _Step:
     fill: FillBatch | None = None
     fallback: bool = False
     """Some decode-shaped rows may lack a working set: also attend vLLM's cache for them (chosen per row)."""
-    slot_mapping: torch.Tensor | None = None
+    req_rows: torch.Tensor | None = None
+    """[R] every request's state row (-1: none, e.g. CUDA-graph padding)."""
+    pool_rows: torch.Tensor | None = None
+    """[num_tokens] each token row's flat pool row (-1: not written)."""
+    summary_dest: torch.Tensor | None = None
+    """[runs] the summary row each summary run rebuilds (made by the first layer that writes)."""
     num_tokens: int = 0
     ended: bool = False
 
@@ -90,16 +99,21 @@ class HostPoolRuntime:
     """The OasisKV core of one vLLM worker in a host-pool mode (all layers)."""
 
     def __init__(self, opts: VllmOptions, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device, max_rows: int, scale: float) -> None:
-        """``scale``: the layers' attention scale (``minmax_mass`` ranks with it)."""
+                 dtype: torch.dtype, device: torch.device, max_rows: int, scale: float, max_model_len: int) -> None:
+        """``num_blocks``: vLLM's KV cache blocks; ``max_rows``: its ``max_num_seqs``; ``scale``: the layers'
+        attention scale (``minmax_mass`` ranks with it)."""
         self.opts, self.mode = opts, opts.parsed_mode
         if not self.mode.uses_host_pool:
             raise ValueError(f"mode {self.mode.value} keeps no host pool")
         bs, k = opts.block_size, opts.top_k_blocks
         self.num_layers, self.block_size, self.k_slots = num_layers, bs, k
         self.device, self.num_blocks = device, num_blocks
+        self.blocks_per_row = -(-max_model_len // bs)
+        """Pool blocks of one state row: a request's whole context (``max_model_len``)."""
         backend = opts.backend
-        host = PagedKVCache(num_layers, num_blocks, bs, num_kv_heads, head_dim, dtype, "cpu",
+        check_host_memory(num_layers * max_rows * self.blocks_per_row * bs * num_kv_heads * head_dim * 2
+                          * dtype.itemsize, max_rows, max_model_len)
+        host = PagedKVCache(num_layers, max_rows * self.blocks_per_row, bs, num_kv_heads, head_dim, dtype, "cpu",
                             pin_memory=device.type == "cuda", zero=False)
         self.pool = HostKVPool(host)
         self.host_pool_bytes = sum(t.numel() * t.element_size() for t in host.k + host.v)
@@ -109,7 +123,8 @@ class HostPoolRuntime:
         events) point there rather than at another request's row."""
         self.ws = PagedKVCache(num_layers, (max_rows + 1) * (k + LOCAL_SLOTS), bs, num_kv_heads, head_dim, dtype,
                                device)
-        mk = lambda: torch.zeros((num_blocks, 1, num_kv_heads, head_dim), dtype=dtype, device=device)  # noqa: E731
+        summary_rows = (max_rows + 1) * self.blocks_per_row
+        mk = lambda: torch.zeros((summary_rows, 1, num_kv_heads, head_dim), dtype=dtype, device=device)  # noqa: E731
         summaries = KeySummaries([mk() for _ in range(num_layers)], [mk() for _ in range(num_layers)], backend)
         self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
         self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device)
@@ -123,6 +138,7 @@ class HostPoolRuntime:
                                           DebugConfig(measure_recall=opts.measure_recall))
         self.cap = opts.sparse.fetch_cap
         """Admissions per (request, KV head) and layer per step."""
+        self._row_blocks = torch.arange(self.blocks_per_row, device=device)
         self.row_of_block = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
         """Physical block -> state row of the running request whose first block it is (-1: none)."""
         self.ready = torch.zeros(max_rows + 1, dtype=torch.bool, device=device)
@@ -141,7 +157,7 @@ class HostPoolRuntime:
         """The step stamped into selections by a captured step (written before each replay; eager steps stamp
         ``step_no``)."""
         self.counts = {"steps": 0, "decode_request_steps": 0, "fills": 0, "fallback_steps": 0, "step_cap_blocks": 0,
-                       "replayed_steps": 0, "eager_graph_steps": 0}
+                       "replayed_steps": 0, "eager_graph_steps": 0, "max_running_requests": 0}
         self._gap_rows = torch.zeros((), dtype=torch.long, device=device)
         """Rows whose last prediction could not rank the block before the active one (accumulated in place)."""
         self._cap_excess = torch.zeros((), dtype=torch.long, device=device)
@@ -177,7 +193,13 @@ class HostPoolRuntime:
             self.row_of_block[first] = torch.where(cur == row, torch.full_like(cur, -1), cur)
 
     def apply(self, events: StepEvents) -> None:
-        """A step's request events: frees, then starts (fills are read by :meth:`begin_step`)."""
+        """A step's request events: frees, then starts (fills are read by :meth:`begin_step`). The KV connector
+        applies them when vLLM binds a step's metadata, also for steps without a forward (the last finished
+        requests reach the workers that way), and the step's first layer applies what is left. First, the rows
+        filled by the last step are ready (before a free can hand one of them to a new request)."""
+        if self._pending_ready is not None:  # last step's fills: those requests decode over their working sets now
+            self.ready.index_fill_(0, self._pending_ready, True)
+            self._pending_ready = None
         for req_id in events.free:
             self._free(req_id)
         for req_id, first in events.start:
@@ -188,15 +210,44 @@ class HostPoolRuntime:
             self.row_of_block[first] = row
             self.ready[row] = False
 
+    # ---- addressing -----------------------------------------------------------------------------------------
+    def host_table(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[B, blocks_per_row]`` int64: the pool block (= summary row) of each logical block of rows ``rows``."""
+        return rows.long()[:, None] * self.blocks_per_row + self._row_blocks[None, :]
+
+    def _known(self, rows: torch.Tensor) -> torch.Tensor:
+        return (rows >= 0) & (rows < self.scratch_row)
+
+    def _pool_rows(self, common: dict, req_rows: torch.Tensor, n: int) -> torch.Tensor:
+        """Flat pool row of each of the step's first ``n`` token rows: its request's row slab at the token's
+        position (from ``query_start_loc`` and ``seq_lens``, on the device); -1 for padding and rows vLLM does not
+        write (``slot_mapping`` -1)."""
+        qsl = common["query_start_loc"].long()
+        seq = common["seq_lens"].long()
+        r_n = seq.numel()
+        qsl = qsl[:r_n + 1]
+        t = torch.arange(n, device=qsl.device)
+        req = torch.clamp(torch.searchsorted(qsl[1:], t, right=True), max=r_n - 1)
+        pos = seq[req] - (qsl[req + 1] - t)
+        row = req_rows[req]
+        ok = (t < qsl[-1]) & self._known(row) & (pos >= 0) & (common["slot_mapping"][:n] >= 0)
+        flat = row * (self.blocks_per_row * self.block_size) + pos
+        return torch.where(ok, flat, torch.full_like(flat, -1))
+
+    def _summary_dest(self, st: _Step, runs) -> torch.Tensor:
+        """The summary row of each run: its request's row slab (the scratch row's for requests without one) at
+        the run's logical block."""
+        rows = st.req_rows[runs.reqs]
+        rows = torch.where(self._known(rows), rows, torch.full_like(rows, self.scratch_row))
+        return rows * self.blocks_per_row + torch.clamp(runs.logical, max=self.blocks_per_row - 1)
+
     # ---- per step ---------------------------------------------------------------------------------------------
     def _host_step(self, events: StepEvents, num_decodes: int) -> None:
         """A scheduled step's host part: last step's fills become ready, the connector's events, the counters."""
-        if self._pending_ready is not None:  # last step's fills: those requests decode over their working sets now
-            self.ready.index_fill_(0, self._pending_ready, True)
-            self._pending_ready = None
         self.step_no += 1
         self.counts["steps"] += 1
         self.apply(events)
+        self.counts["max_running_requests"] = max(self.counts["max_running_requests"], len(self.first))
         if num_decodes:
             self.stats.begin_step(num_decodes)
             self.counts["decode_request_steps"] += num_decodes
@@ -243,20 +294,24 @@ class HostPoolRuntime:
             # embedded engine does.
             self.transfer.wait_all()
         st = _Step(plan=plan, real=events is not None or captured, captured=captured,
-                   slot_mapping=common["slot_mapping"], num_tokens=common["num_tokens"])
+                   num_tokens=common["num_tokens"])
         self.cur = st
+        first_blocks = common["block_table"][:, 0].long()
         if not st.real:  # a warm-up / profiling forward: vLLM's cache serves the decode rows, nothing is kept
+            st.req_rows = self.row_of_block[first_blocks]
             st.fallback = True
             return st
         if not captured:
             self._host_step(events, plan.num_real)
+        st.req_rows = self.row_of_block[first_blocks]  # the step's starts applied
+        st.pool_rows = self._pool_rows(common, st.req_rows, st.num_tokens)
         b = plan.batch
         if b is not None:
             rows = self.row_of_block[b.primary_table[:, 0]]
             rows = torch.where(rows >= 0, rows, torch.full_like(rows, self.scratch_row))
             ready = self.ready[rows]
             st.decode = host_pool_batch(b, rows, ready, self.bound[rows], self.k_slots, self.block_size,
-                                        self.step_t if captured else self.step_no)
+                                        self.step_t if captured else self.step_no, self.host_table(rows))
             self.bound[rows] = torch.where(ready, st.decode.next_bound, self.bound[rows])
             st.fallback = not captured and events.short_prefills > 0
             if self.opts.measure_recall:  # recall matches rows across steps by request: the first blocks identify them
@@ -268,7 +323,7 @@ class HostPoolRuntime:
             rows = long([self.head_map.rows[r] for r in fills])
             st.fill = fill_batch(common["query_start_loc"], common["seq_lens"], common["block_table"],
                                  long([self.first[r] for r in fills]), rows, self.k_slots, self.block_size,
-                                 common["max_seq_len"], self.step_no, fills)
+                                 common["max_seq_len"], self.step_no, fills, self.host_table(rows))
             self.bound[rows] = st.fill.batch.next_candidates
             self.counts["fills"] += len(fills)
         if st.fallback:
@@ -276,13 +331,13 @@ class HostPoolRuntime:
         return st
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
-        """Before the layer's attention: the step's K/V rows into the pool (at vLLM's slots = pool rows), the wait
-        for this layer's copies of the last step, the decode rows into their local slots, the touched blocks'
-        summaries."""
+        """Before the layer's attention: the step's K/V rows into the pool (their requests' rows at their
+        positions), the wait for this layer's copies of the last step, the decode rows into their local slots, the
+        touched blocks' summaries."""
         st = self.cur
         if st.real:
             n = st.num_tokens
-            self.pool.write_rows(layer, key[:n], value[:n], st.slot_mapping[:n])
+            self.pool.write_rows(layer, key[:n], value[:n], st.pool_rows)
             self.pipeline.wait(layer)  # layer-local sync: this layer's copies issued during the last step
             d = st.decode
             if d is not None:
@@ -290,8 +345,11 @@ class HostPoolRuntime:
                 self.ws.write(layer, d.local_dst, key[src], value[src])
         runs = st.plan.runs
         if runs is not None:
+            if st.summary_dest is None:
+                st.summary_dest = self._summary_dest(st, runs)
             rows = k_cache.index_select(0, runs.blocks).flatten(0, 1)
-            self.predictor.summaries.update(layer, rows, SummaryWrites(runs=(runs.pad_idx, runs.blocks, runs.reset)))
+            self.predictor.summaries.update(layer, rows, SummaryWrites(runs=(runs.pad_idx, st.summary_dest,
+                                                                             runs.reset)))
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, output: torch.Tensor) -> None:
@@ -388,7 +446,8 @@ class HostPoolRuntime:
                    eager_graph_steps=c["eager_graph_steps"],
                    max_step_cap_bytes=c["step_cap_blocks"] * unit,
                    max_step_bytes_over_cap=int(self._cap_excess) * unit,
-                   running_requests=len(self.first), kv_heads=self.head_map.slot_map.shape[2],
+                   running_requests=len(self.first), max_running_requests=c["max_running_requests"],
+                   kv_heads=self.head_map.slot_map.shape[2],
                    host_pool_bytes=self.host_pool_bytes)
         return out
 
@@ -398,7 +457,20 @@ class HostPoolRuntime:
         self._fetched_before.zero_()
         self._gap_rows.zero_()
         self.counts.update(steps=0, decode_request_steps=0, fills=0, fallback_steps=0, step_cap_blocks=0,
-                           replayed_steps=0, eager_graph_steps=0)
+                           replayed_steps=0, eager_graph_steps=0, max_running_requests=len(self.first))
+
+
+def check_host_memory(pool_bytes: int, max_rows: int, max_model_len: int) -> None:
+    """Refuse a pinned pool the host cannot hold (before allocating it): the arithmetic in the error."""
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: no check
+        return
+    if pool_bytes > 0.9 * avail:
+        gib = 1 << 30
+        raise MemoryError(f"OasisKV's host pool needs {pool_bytes / gib:.1f} GiB (max_num_seqs {max_rows} x "
+                          f"max_model_len {max_model_len} tokens, full KV of every layer), and this host has "
+                          f"{avail / gib:.1f} GiB available: lower max_num_seqs or max_model_len")
 
 
 _RUNTIMES: dict[int, tuple[Any, HostPoolRuntime]] = {}
@@ -431,7 +503,7 @@ def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtyp
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     nb, _, hkv, d = k_cache.shape
     rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device,
-                         vllm_config.scheduler_config.max_num_seqs, scale)
+                         vllm_config.scheduler_config.max_num_seqs, scale, vllm_config.model_config.max_model_len)
     rt.full_graphs = opts.full_graphs and k_cache.device.type == "cuda"
     _RUNTIMES.clear()  # one engine per process at a time (in-process test engines come one after another)
     _RUNTIMES[id(vllm_config)] = (vllm_config, rt)

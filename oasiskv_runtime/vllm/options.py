@@ -55,6 +55,10 @@ class VllmOptions:
     on the H200); the host-pool modes stay piecewise. ``full``: the host-pool modes too (their request events applied
     before each replay by the KV connector, steps with a working-set fill run eagerly; not yet run with vLLM on a
     GPU). ``off``: vLLM's piecewise graphs only (our attention eager between them), in every mode."""
+    admission: str = "working-set"
+    """Host-pool modes: ``working-set``: once a request's prefill completes, vLLM's paged cache keeps only its first
+    block and its last two (``vllm/kv_spec.py``), so vLLM admits requests by what they hold on the device; ``full``:
+    vLLM keeps every block of every request (its own admission; for A/B runs, and EAGLE-3 drafts)."""
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
@@ -63,7 +67,7 @@ class VllmOptions:
             raise ValueError(f"mode {mode.value!r} does not run on vLLM; choose one of: {names}")
         object.__setattr__(self, "mode", mode.value)
         for f in fields(self):
-            if f.name not in ("mode", "cuda_graphs"):
+            if f.name not in ("mode", "cuda_graphs", "admission"):
                 _SPECS[f.name].validate(getattr(self, f.name))
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
@@ -73,6 +77,8 @@ class VllmOptions:
         if self.cuda_graphs not in ("auto", "full", "off"):
             raise ValueError(f"cuda_graphs on vLLM is auto, full or off, got {self.cuda_graphs!r} (static is the "
                              f"embedded engine's CPU test layout)")
+        if self.admission not in ("working-set", "full"):
+            raise ValueError(f"admission is working-set or full, got {self.admission!r}")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
@@ -96,6 +102,11 @@ class VllmOptions:
         if self.parsed_mode is Mode.SPARSE_RESIDENT:
             return True
         return self.cuda_graphs == "full" and not self.measure_recall
+
+    @property
+    def working_set_admission(self) -> bool:
+        """vLLM's cache frees a decoding request's middle blocks (host-pool modes with ``admission='working-set'``)."""
+        return self.parsed_mode.uses_host_pool and self.admission == "working-set"
 
     @property
     def enabled(self) -> bool:

@@ -1,7 +1,7 @@
 """vLLM ``general_plugins`` entry point (``oasiskv = "oasiskv_runtime.vllm.plugin:register"`` in pyproject.toml).
 
-vLLM calls :func:`register` once in every process (front end, engine core, workers). It points two attention
-backend names at this module:
+vLLM calls :func:`register` once in every process (front end, engine core, workers). It registers the KV-cache
+spec of working-set admission (``vllm/kv_spec.py``) and points two attention backend names at this module:
 
 * ``CUSTOM``: the OasisKV backend over FLASH_ATTN (CUDA). vLLM uses it only when asked
   (``--attention-backend CUSTOM``, which ``engine_args`` sets).
@@ -40,6 +40,14 @@ def register() -> None:
             register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.CPU_ATTN")
     except Exception as exc:  # an incompatible vLLM: plain vLLM must still run
         logger.warning("OasisKV plug-in not registered (%s: %s)", type(exc).__name__, exc)
+        return
+    try:
+        from oasiskv_runtime.vllm import kv_spec
+
+        kv_spec.register()
+    except Exception as exc:  # noqa: BLE001 - the modes still run, vLLM then keeps every block (admission='full')
+        logger.warning("OasisKV working-set admission not registered (%s: %s): vLLM keeps whole contexts",
+                       type(exc).__name__, exc)
 
 
 def _base(name: str) -> type:

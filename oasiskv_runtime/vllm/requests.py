@@ -52,6 +52,16 @@ class StepEvents:
                           short_prefills=later.short_prefills)
 
 
+_CURRENT: RequestTracker | None = None
+"""The scheduler process's tracker (the latest made: in-process test engines come one after another)."""
+
+
+def decoding_since(req_id: str) -> int | None:
+    """Tokens a running request had computed when its prefill completed (None: still in prefill, or unknown), from
+    this process's tracker: the KV-cache manager of working-set admission asks (``vllm/kv_spec.py``)."""
+    return None if _CURRENT is None else _CURRENT.decoding.get(req_id)
+
+
 class RequestTracker:
     """Scheduler-side bookkeeping behind :class:`StepEvents` (plain Python: the connector feeds it vLLM's objects).
 
@@ -67,6 +77,10 @@ class RequestTracker:
         """Running requests -> first block."""
         self.prefill: dict[str, int] = {}
         """Running requests still in prefill -> tokens their prefill computes."""
+        self.decoding: dict[str, int] = {}
+        """Running requests past their prefill -> tokens their prefill computed."""
+        global _CURRENT
+        _CURRENT = self
 
     def on_alloc(self, req_id: str, first_block: int | None, num_tokens: int) -> None:
         self._alloc[req_id] = (-1 if first_block is None else int(first_block), int(num_tokens))
@@ -86,6 +100,7 @@ class RequestTracker:
             ev.free.append(req_id)
         self.live[req_id] = first
         self.prefill[req_id] = target
+        self.decoding.pop(req_id, None)
         ev.start.append((req_id, first))
 
     def step(self, so: Any) -> StepEvents:
@@ -95,6 +110,7 @@ class RequestTracker:
         for req_id in sorted(gone):
             self._alloc.pop(req_id, None)
             self.prefill.pop(req_id, None)
+            self.decoding.pop(req_id, None)
             if self.live.pop(req_id, None) is not None:
                 ev.free.append(req_id)
         computed: dict[str, int] = {}
@@ -117,5 +133,5 @@ class RequestTracker:
                 ev.short_prefills += 1
             if computed.get(req_id, 0) + n - len(spec.get(req_id, ())) >= target:
                 ev.fill.append(req_id)
-                del self.prefill[req_id]
+                self.decoding[req_id] = self.prefill.pop(req_id)
         return ev
