@@ -31,7 +31,6 @@ whose prefill completes, ``pipeline.fill`` and their prompt tail into the local 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Any
 
@@ -460,11 +459,21 @@ class HostPoolRuntime:
                            replayed_steps=0, eager_graph_steps=0, max_running_requests=len(self.first))
 
 
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def check_host_memory(pool_bytes: int, max_rows: int, max_model_len: int) -> None:
     """Refuse a pinned pool the host cannot hold (before allocating it): the arithmetic in the error."""
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a POSIX host: no check
+    avail = _available_host_bytes()
+    if avail is None:  # not Linux: no check
         return
     if pool_bytes > 0.9 * avail:
         gib = 1 << 30
