@@ -14,7 +14,9 @@ our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (
 oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). A plug-in mode with
 ``+piecewise`` (``sparse-resident+piecewise``) runs with ``cuda_graphs='off'``: attention eager between vLLM's
 piecewise graphs, beside the full-graph decode of ``cuda_graphs='auto'``; ``+full`` (``oasiskv+full``) with
-``cuda_graphs='full'``: the host-pool modes' decode steps from full graphs too. ``--profile`` replaces the
+``cuda_graphs='full'``: the host-pool modes' decode steps from full graphs too. ``MODE@GiB`` (``plain@55``) gives a
+mode its own KV budget (``--capacity`` runs: plain vLLM's cache against the plug-in's cache plus the working sets
+and summaries it allocates beside it, ``plugin_stats.oasiskv.device_bytes``). ``--profile`` replaces the
 timing by a profile of each mode at the first context (host syncs of our code, top CUDA / CPU ops).
 
     python bench/vllm_decode.py --model qwen3-8b --batch 16 --context 16384,32768 --out vllm-decode.json
@@ -73,6 +75,36 @@ def decode_window(rows: list[tuple[float, list[int], list[int]]], n: int) -> dic
     return out
 
 
+def capacity_summary(rows: list[tuple[float, list[int], list[int]]], n: int) -> dict:
+    """Summary of a capacity run (``--capacity``: every request submitted at once, more than the KV budget may hold
+    whole): output tokens per second over the run, the most requests decoding in one step (a request decodes from
+    its first output token to its last), the median step at that batch and its cost per request, mean TTFT / TPOT."""
+    t, first, last, decoding, at = 0.0, {}, {}, [], []
+    for dt, before, after in rows:
+        t += dt
+        k = sum(1 for b in before if 1 <= b < n)
+        decoding.append(k)
+        at.append((k, dt))
+        for i, (b, a_) in enumerate(zip(before, after)):
+            if b == 0 and a_ >= 1:
+                first[i] = t
+            if a_ >= n and b < n:
+                last[i] = t
+    total = sum(rows[-1][2]) if rows else 0
+    most = max(decoding, default=0)
+    steps_at_most = [dt for k, dt in at if k == most and most]
+    ttft = [first[i] for i in first]
+    tpot = [(last[i] - first[i]) / max(1, n - 1) for i in last if i in first]
+    out = {"total_s": t, "steps": len(rows), "output_tokens": total, "output_tok_per_s": total / t if t else None,
+           "max_decoding": most, "mean_decoding": statistics.fmean(decoding) if decoding else 0.0,
+           "mean_ttft_s": statistics.fmean(ttft) if ttft else None,
+           "mean_tpot_ms": statistics.fmean(tpot) * 1e3 if tpot else None}
+    if steps_at_most:
+        step = statistics.median(steps_at_most)
+        out.update(step_ms_at_max=step * 1e3, per_request_step_ms=step * 1e3 / most)
+    return out
+
+
 def stepped(step, lengths, done) -> list[tuple[float, list[int], list[int]]]:
     """Drive an engine step by step: ``step()`` runs one, ``lengths()`` gives each request's output tokens so far,
     ``done()`` says every request finished. Returns :func:`decode_window`'s rows."""
@@ -102,10 +134,10 @@ def timed_points(a: argparse.Namespace, vocab: int, warm, run) -> list[dict]:
     points = []
     for ctx in a.context:
         warm(prompts_for(max(64, min(ctx, 2048) // 2), a, vocab), 8)  # other prompts: no prefix-cache hit
-        n = run_length(a, ctx)
+        n = a.output_len if a.capacity else run_length(a, ctx)
         rows, tokens, extra = run(prompts_for(ctx, a, vocab), n)
-        points.append({"context": ctx, "batch": a.batch, "output_tokens": n, **decode_window(rows, n), **extra,
-                       "tokens": tokens})
+        summary = capacity_summary(rows, n) if a.capacity else decode_window(rows, n)
+        points.append({"context": ctx, "batch": a.batch, "output_tokens": n, **summary, **extra, "tokens": tokens})
         print(json.dumps({k: v for k, v in points[-1].items() if k != "tokens"}), flush=True)
     return points
 
@@ -191,9 +223,12 @@ def one_mode(a: argparse.Namespace) -> dict:
                                                    cuda_graphs=graphs[variant])
     max_len = max(a.context) + 16
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=a.dtype, seed=0,
-                   max_model_len=max_len, max_num_seqs=a.batch, kv_cache_memory_bytes=int(a.kv_gb * (1 << 30)),
-                   max_num_batched_tokens=a.batched_tokens, **extra)
+    kwargs = dict(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=a.dtype, seed=0,
+                  max_model_len=max_len, max_num_seqs=a.batch, kv_cache_memory_bytes=int(a.kv_gb * (1 << 30)),
+                  max_num_batched_tokens=a.batched_tokens, **extra)
+    if a.capacity:
+        kwargs["disable_log_stats"] = False  # the preemption counter
+    llm = vllm.LLM(**kwargs)
     out = {"mode": a.mode, "engine_start_s": time.perf_counter() - t0, "points": []}
     vocab = json.load(open(Path(a.model_dir) / "config.json"))["vocab_size"]
     if a.profile:
@@ -242,7 +277,10 @@ def one_mode(a: argparse.Namespace) -> dict:
             extra["host_ms"] = llm.apply_model(collect_stats)[0].get("host_ms")
         return rows, tokens, extra
 
+    preempted = _preemptions(llm)
     out["points"] = timed_points(a, vocab, warm, run)
+    after = _preemptions(llm)
+    out["preemptions"] = None if after is None or preempted is None else after - preempted
     if before is not None:
         out["acceptance"] = acceptance(before, spec_decode_counts(llm))
     if mode != "plain":  # the plug-in's own counters (traffic, fills, rows served sparse), summed over layers
@@ -253,6 +291,14 @@ def one_mode(a: argparse.Namespace) -> dict:
         except Exception as e:  # noqa: BLE001 - a report without them is still a report
             out["plugin_stats"] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def _preemptions(llm) -> int | None:
+    """vLLM's preemption counter (None when its stats are off)."""
+    try:
+        return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    except Exception:  # noqa: BLE001 - stats disabled
+        return None
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -285,6 +331,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="instead of timing: per mode, one in-process engine, "
                     "host syncs and a torch.profiler summary of a generate at the first context")
     ap.add_argument("--profile-tokens", type=int, default=16)
+    ap.add_argument("--capacity", action="store_true", help="instead of the decode window: --batch requests of "
+                    "--output-len tokens submitted at once in a KV budget (--kv-gb) that may not hold them all; "
+                    "output throughput, the most requests decoding at once, TTFT / TPOT, preemptions")
     ap.add_argument("--host-timers", action="store_true", help="the plug-in accounts its host time per phase "
                     "(OASISKV_HOST_TIMERS=1; plugin_stats.host_ms; a few microseconds per layer)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
@@ -297,13 +346,16 @@ def main() -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="vllm-decode-"))
     mdir = str(vllm_model(a.model, root).path)  # the weights are vLLM's dummy ones here, whatever the model
-    results = {"model": a.model, "random_weights": True, "batch": a.batch,
+    results = {"model": a.model, "random_weights": True, "batch": a.batch, "kv_gb": a.kv_gb, "capacity": a.capacity,
                "top_k_blocks": a.top_k, "output_len": a.output_len, "modes": {}}
     for mode in a.modes.split(","):
-        child = dict(mode=mode, model_dir=mdir, batch=a.batch, context=[int(x) for x in a.context.split(",")],
-                     output_len=a.output_len, top_k=a.top_k, kv_gb=a.kv_gb, batched_tokens=a.batched_tokens,
+        name, _, kv = mode.partition("@")  # plain@55: this mode's own KV budget (GiB)
+        child = dict(mode=name, model_dir=mdir, batch=a.batch, context=[int(x) for x in a.context.split(",")],
+                     output_len=a.output_len, top_k=a.top_k, kv_gb=float(kv) if kv else a.kv_gb,
+                     batched_tokens=a.batched_tokens,
                      device=a.device, dtype=a.dtype, draft=a.draft, profile=a.profile,
-                     profile_tokens=a.profile_tokens, preset=a.model, host_timers=a.host_timers)
+                     profile_tokens=a.profile_tokens, preset=a.model, host_timers=a.host_timers,
+                     capacity=a.capacity)
         try:
             env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function
             if a.host_timers:
@@ -319,16 +371,19 @@ def main() -> None:
             results["modes"][mode] = {"error": f"timed out after {a.timeout:.0f} s: {str(e.stderr)[-2000:]}"}
         print(mode, json.dumps({k: v for k, v in results["modes"][mode].items() if k != "points"})[:3000], flush=True)
         Path(a.out).write_text(json.dumps(results, indent=1))
-    anchors = {"": results["modes"].get("plain", {}), "embedded-": results["modes"].get("embedded-dense", {})}
+    plain = next((m for m in results["modes"] if m.partition("@")[0] == "plain"), "plain")
+    anchors = {"": results["modes"].get(plain, {}), "embedded-": results["modes"].get("embedded-dense", {})}
     for mode, r in results["modes"].items():
-        if mode in ("plain", "embedded-dense"):
+        if mode in (plain, "embedded-dense"):
             continue
         anchor = anchors["embedded-" if mode.startswith("embedded-") else ""]
         for i, pt in enumerate(r.get("points", [])):
             ref = anchor.get("points", [])[i] if i < len(anchor.get("points", [])) else None
             if ref is not None:
                 pt["agreement_with_dense"] = agreement(ref["tokens"], pt["tokens"])
-                for key, name in (("decode_step_ms", "step_vs_dense"), ("ms_per_token", "token_ms_vs_dense")):
+                for key, name in (("decode_step_ms", "step_vs_dense"), ("ms_per_token", "token_ms_vs_dense"),
+                                  ("output_tok_per_s", "throughput_vs_dense"),
+                                  ("per_request_step_ms", "per_request_step_vs_dense")):
                     if pt.get(key) and ref.get(key):
                         pt[name] = pt[key] / ref[key]
             summary = {k: v for k, v in pt.items() if k != "tokens"}

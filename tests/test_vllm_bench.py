@@ -75,7 +75,7 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
     ({"mode": "oasiskv", "draft": "oracle"}, "no vLLM counterpart"),
     ({"mode": "oasiskv", "block_size": 8}, "block_size"),
     ({"mode": "sparse-resident", "selection_score": "attention"}, "does not run on vLLM"),
-    ({"mode": "dense", "cuda_graphs": "static"}, "cuda_graphs auto or off"),
+    ({"mode": "dense", "cuda_graphs": "static"}, "cuda_graphs auto, full or off"),
 ])
 def test_configs_vllm_cannot_take_fail_before_anything_runs(tmp_path, extra, message):
     point = {**POINT, "engine": "vllm", **extra}
@@ -257,6 +257,21 @@ def test_decode_window_times_only_steps_where_every_request_decodes():
     assert w["tokens_per_step"] == pytest.approx((4 + 3) / 4)
     assert w["ms_per_token"] == pytest.approx(11.0 / 1.75)
     assert "decode_step_ms" not in vd.decode_window(rows[:2], 6)  # no window: no step figures, no division by zero
+
+
+def test_capacity_summary_counts_decoding_requests_throughput_ttft_and_tpot():
+    """Three requests of 4 tokens, the third admitted late (a KV budget that holds two): 12 tokens in 0.9 s, at most
+    two decoding in one step (at 0.1 s: 0.05 s per request), TTFT 0.5 / 0.6 / 0.7 s, TPOT from first to last token."""
+    vd = _vllm_decode_module()
+    lens = [[0, 0, 0], [1, 0, 0], [3, 1, 0], [4, 3, 1], [4, 4, 3], [4, 4, 4]]
+    rows = [(dt, lens[i], lens[i + 1]) for i, dt in enumerate([0.5, 0.1, 0.1, 0.1, 0.1])]
+    c = vd.capacity_summary(rows, 4)
+    assert c["output_tokens"] == 12 and c["output_tok_per_s"] == pytest.approx(12 / 0.9)
+    assert c["max_decoding"] == 2 and c["step_ms_at_max"] == pytest.approx(100.0)
+    assert c["per_request_step_ms"] == pytest.approx(50.0)
+    assert c["mean_ttft_s"] == pytest.approx(0.6)
+    # tpot: (0.7 - 0.5) / 3, (0.8 - 0.6) / 3, (0.9 - 0.7) / 3
+    assert c["mean_tpot_ms"] == pytest.approx(200 / 3)
 
 
 def test_stepped_drives_a_fake_engine_to_the_end():

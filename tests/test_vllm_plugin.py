@@ -670,6 +670,32 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
     assert args["speculative_config"]["num_speculative_tokens"] == 1 and args["disable_log_stats"] is False
     assert engine_args(mode="oasiskv", platform=platform)["speculative_config"]["method"] == "ngram"  # auto draft
     assert "speculative_config" not in engine_args(mode="proxy-prefetch", platform=platform)
+    # admission: working-set by default, full with an EAGLE-3 draft (its layers attend their whole context)
+    assert engine_args(mode="oasiskv", platform=platform)["additional_config"]["oasiskv"]["admission"] == \
+        "working-set"
+    eagle = engine_args(mode="oasiskv", draft="eagle3:/heads/x", platform=platform)
+    assert eagle["additional_config"]["oasiskv"]["admission"] == "full"
+    with pytest.raises(ValueError, match="admission"):
+        engine_args(mode="oasiskv", admission="sometimes", platform=platform)
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("_vllm")
+def test_full_graphs_of_the_host_pool_modes_ask_for_vllms_v1_model_runner(monkeypatch):
+    """vLLM 0.26's V2 model runner replays full graphs before any forward context exists, where the connector
+    prepares a replay: engine_args asks for V1 on CUDA (not for piecewise graphs, nor on the CPU), and refuses an
+    environment that asks for V2."""
+    from oasiskv_runtime.vllm import engine_args
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    engine_args(mode="oasiskv", platform="cuda")
+    engine_args(mode="oasiskv", cuda_graphs="full", platform="cpu")
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    engine_args(mode="proxy-prefetch", cuda_graphs="full", platform="cuda")
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="V1 model runner"):
+        engine_args(mode="oasiskv", cuda_graphs="full", platform="cuda")
 
 
 @pytest.mark.vllm

@@ -40,7 +40,8 @@ from oasiskv_runtime.config import EngineConfig, Mode
 #: Engine options a vLLM point passes on (to vLLM or to the plug-in); any other engine option must keep the
 #: embedded engine's default. ``cuda_graphs``: ``off`` runs vLLM eagerly (``enforce_eager``: no torch.compile, no
 #: CUDA graphs), ``auto`` is vLLM's default on CUDA and eager on the CPU (no graphs there; vLLM's compile would
-#: add ~35 s to each CPU engine start, whose figures are correctness, not speed).
+#: add ~35 s to each CPU engine start, whose figures are correctness, not speed); ``full`` is ``auto`` with the
+#: plug-in's ``cuda_graphs='full'`` (the host-pool modes' decode steps from full graphs).
 VLLM_POINT_KEYS = ("top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks", "recent_blocks",
                    "selection_score", "backend", "measure_recall",
                    "max_num_batched_tokens", "cuda_graphs")
@@ -74,7 +75,7 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
     refused = [k for k in ENGINE_KEYS if k not in VLLM_POINT_KEYS and point.get(k) is not None
                and point[k] != specs[k].default]
     if point.get("host_kv_gb") is not None:
-        refused.append("host_kv_gb (the plug-in's host pool is as large as vLLM's KV cache, kv_cache_gb)")
+        refused.append("host_kv_gb (the plug-in's host pool holds concurrency x context_len tokens of KV)")
     if refused:
         raise ValueError(f"engine vllm does not take {', '.join(refused)}: embedded-engine options")
     # A key the point leaves None has the embedded engine's default, which VllmOptions shares.
@@ -82,8 +83,9 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
     opts = VllmOptions(mode=point["mode"], **options)  # refuses fetch-on-demand too
     mode = opts.parsed_mode
     graphs = point.get("cuda_graphs") or "auto"
-    if graphs not in ("auto", "off"):
-        raise ValueError(f"engine vllm takes cuda_graphs auto or off (vLLM captures its own graphs), got {graphs!r}")
+    if graphs not in ("auto", "off", "full"):
+        raise ValueError(f"engine vllm takes cuda_graphs auto, full or off (vLLM captures its own graphs), got "
+                         f"{graphs!r}")
     # As on the embedded engine, only oasiskv drafts; vLLM's `auto` draft is its n-gram prompt lookup.
     draft = (point["draft"] if point["draft"] != "auto" else "ngram") if mode.uses_draft else "none"
     speculative_config(draft)
@@ -97,6 +99,8 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
     if graphs == "off" or not str(point["device"]).startswith("cuda"):
         llm["enforce_eager"] = True
     plugin = None if mode is Mode.DENSE else {"mode": mode.value, **options, "draft": draft}
+    if plugin is not None and graphs == "full":  # the host-pool modes' decode steps from full graphs too
+        plugin["cuda_graphs"] = "full"
     return VllmPlan(llm, plugin)
 
 

@@ -69,7 +69,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     stats on so the acceptance rate can be read (:func:`acceptance`). ``measure_recall``: host-pool modes report
     each layer's prediction recall (host round trips). ``cuda_graphs``: ``auto`` (decode-only steps replay full CUDA
     graphs in sparse-resident), ``full`` (in the host-pool modes too) or ``off`` (vLLM's piecewise graphs only; see
-    ``VllmOptions.cuda_graphs``). ``admission`` (host-pool modes): ``working-set`` (vLLM's cache frees a request's
+    ``VllmOptions.cuda_graphs``; ``full`` in a host-pool mode on CUDA sets ``VLLM_USE_V2_MODEL_RUNNER=0``:
+    :func:`use_v1_model_runner`). ``admission`` (host-pool modes): ``working-set`` (vLLM's cache frees a request's
     blocks once its prefill completes, keeping three: more requests fit), ``full`` (vLLM keeps them all), ``auto``
     (working-set, but full with an EAGLE-3 draft, whose draft layers attend their whole context in vLLM's cache).
     ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
@@ -104,7 +105,24 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
         out["enable_prefix_caching"] = False
     if _on_cuda(platform):
         out["attention_backend"] = "CUSTOM"
+        if parsed.uses_host_pool and opts.full_graphs:
+            use_v1_model_runner()
     return out
+
+
+def use_v1_model_runner() -> None:
+    """The host-pool modes' full CUDA graphs need vLLM's V1 model runner: it replays a full graph inside the step's
+    forward context, where the KV connector prepares the replay (``connector.prepare_replay``: the step's events,
+    its stamp, or eager execution for a step that fills a working set). vLLM 0.26's V2 runner, its default for
+    some models without speculative decoding, replays before any forward context exists, so nothing could run the
+    replay's host part. vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` in every process it starts; this sets it for the
+    engines this process starts (``vllm serve``: set it in the environment)."""
+    import os
+
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
+        raise ValueError("cuda_graphs='full' in the host-pool modes needs vLLM's V1 model runner, and "
+                         "VLLM_USE_V2_MODEL_RUNNER asks for V2: unset it, or use cuda_graphs='auto'")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
 def _forget_cached_backend() -> None:

@@ -125,6 +125,9 @@ class HostPoolRuntime:
         summary_rows = (max_rows + 1) * self.blocks_per_row
         mk = lambda: torch.zeros((summary_rows, 1, num_kv_heads, head_dim), dtype=dtype, device=device)  # noqa: E731
         summaries = KeySummaries([mk() for _ in range(num_layers)], [mk() for _ in range(num_layers)], backend)
+        self.device_bytes = sum(t.numel() * t.element_size() for t in self.ws.k + self.ws.v + summaries.mins
+                                + summaries.maxs)
+        """Device memory beside vLLM's KV cache (outside its ``kv_cache_memory_bytes``): working sets, summaries."""
         self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
         self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device)
         self.head_map.free_rows.remove(self.scratch_row)
@@ -447,7 +450,7 @@ class HostPoolRuntime:
                    max_step_bytes_over_cap=int(self._cap_excess) * unit,
                    running_requests=len(self.first), max_running_requests=c["max_running_requests"],
                    kv_heads=self.head_map.slot_map.shape[2],
-                   host_pool_bytes=self.host_pool_bytes)
+                   host_pool_bytes=self.host_pool_bytes, device_bytes=self.device_bytes)
         return out
 
     def reset_counters(self) -> None:
@@ -514,6 +517,10 @@ def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtyp
     rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device,
                          vllm_config.scheduler_config.max_num_seqs, scale, vllm_config.model_config.max_model_len)
     rt.full_graphs = opts.full_graphs and k_cache.device.type == "cuda"
+    if rt.full_graphs and getattr(vllm_config, "use_v2_model_runner", False):
+        raise RuntimeError("OasisKV: cuda_graphs='full' in the host-pool modes needs vLLM's V1 model runner (the V2 "
+                           "runner replays full graphs outside the forward context the KV connector prepares them "
+                           "in): set VLLM_USE_V2_MODEL_RUNNER=0 (engine_args does), or use cuda_graphs='auto'")
     _RUNTIMES.clear()  # one engine per process at a time (in-process test engines come one after another)
     _RUNTIMES[id(vllm_config)] = (vllm_config, rt)
     return rt
