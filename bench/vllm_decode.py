@@ -41,11 +41,12 @@ from oasiskv_runtime.vllm.models import vllm_model
 
 
 def prompts_for(ctx: int, a: argparse.Namespace, vocab: int) -> list[list[int]]:
-    """The same seeded random prompts for every mode and engine (prompt + :func:`run_length` tokens = ``ctx``)."""
+    """The same seeded random prompts for every mode and engine (prompt + :func:`run_length` tokens = ``ctx``; in a
+    ``--capacity`` run prompt + ``output_len``; the committed capacity run predates that: 15,198-token prompts)."""
     import torch
 
     g = torch.Generator().manual_seed(ctx)
-    n = max(1, ctx - run_length(a, ctx))
+    n = max(1, ctx - (a.output_len if getattr(a, "capacity", False) else run_length(a, ctx)))
     return [torch.randint(10, vocab - 10, (n,), generator=g).tolist() for _ in range(a.batch)]
 
 
