@@ -101,6 +101,17 @@ def test_cli_engine_flag_and_dry_run(tmp_path):
     assert bad.exit_code == 2 and "unknown engine" in bad.output
 
 
+def test_a_child_payload_larger_than_the_argument_limit_reaches_the_child():
+    """An accuracy run's prompts (7 NIAH families x 10 samples x 2K tokens: ~1 MB of JSON) once went on the child's
+    command line and failed with "Argument list too long": the payload goes through a file."""
+    from oasisbench.runners import vllm_child
+
+    ids = list(range(600_000))  # ~4 MB of JSON, over Linux's 2 MB argument limit and its 128 KB per argument
+    out = vllm_child.run_child(lambda d: vllm_child.child_command("tests._child_echo", {"ids": ids}, d), "cpu", None,
+                               60.0)
+    assert out == {"n": 600_000, "last": 599_999}
+
+
 def test_committed_vllm_suites_plan():
     paper = load_suite(SUITES / "paper-qwen3-8b-vllm.yaml")
     planned = plan_points(paper.expand(), check_device=False)  # a GPU suite, planned on any machine

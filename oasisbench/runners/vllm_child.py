@@ -36,9 +36,16 @@ HOST_POOL_STATS = ("fetched_blocks_per_step", "fetched_bytes_per_step", "max_fet
 LAYER_STATS = ("decode_rows", "draft_rows", "sparse_rows")
 
 
+PAYLOAD = "payload.json"
+
+
 def child_command(module: str, payload: dict[str, Any], out_dir: str) -> list[str]:
-    """The command running ``module``'s ``main`` on ``payload`` in a child that writes its result under ``out_dir``."""
-    return [sys.executable, "-m", module, json.dumps(to_jsonable(payload)), out_dir]
+    """The command running ``module``'s ``main`` on ``payload`` in a child that writes its result under ``out_dir``.
+    The payload goes in a file there, not on the command line: an accuracy run's prompts (7 NIAH families x 10
+    samples x 2K tokens) are more than the kernel takes as arguments."""
+    path = Path(out_dir) / PAYLOAD
+    atomic_write_json(path, to_jsonable(payload))
+    return [sys.executable, "-m", module, str(path), out_dir]
 
 
 def child_env(device: str) -> dict[str, str]:
@@ -153,8 +160,9 @@ class ChildStatus:
 
 
 def child_main(argv: list[str], work: Callable[[dict[str, Any], ChildStatus], dict[str, Any]]) -> None:
-    """The child: ``PAYLOAD_JSON DIR``; writes ``DIR/result.json`` (``work``'s result, or ``error``)."""
-    payload, out_dir = json.loads(argv[0]), Path(argv[1])
+    """The child: ``PAYLOAD_FILE DIR`` (:func:`child_command`); writes ``DIR/result.json`` (``work``'s result, or
+    ``error``)."""
+    payload, out_dir = json.loads(Path(argv[0]).read_text(encoding="utf-8")), Path(argv[1])
     try:
         result = work(payload, ChildStatus(out_dir / PROGRESS))
     except Exception as e:  # noqa: BLE001 - the record carries it; the traceback goes to the child's log
