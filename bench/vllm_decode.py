@@ -14,7 +14,7 @@ our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (
 oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). A plug-in mode with
 ``+piecewise`` (``sparse-resident+piecewise``) runs with ``cuda_graphs='off'``: attention eager between vLLM's
 piecewise graphs, beside the full-graph decode of ``cuda_graphs='auto'``; ``+full`` (``oasiskv+full``) with
-``cuda_graphs='full'``: the host-pool modes' decode steps from full graphs too. ``MODE@GiB`` (``plain@55``) gives a
+``cuda_graphs='full'`` (the same as ``auto`` since the host-pool modes' full graphs became the default). ``MODE@GiB`` (``plain@55``) gives a
 mode its own KV budget (``--capacity`` runs: plain vLLM's cache against the plug-in's cache plus the working sets
 and summaries it allocates beside it, ``plugin_stats.oasiskv.device_bytes``). ``--profile`` replaces the
 timing by a profile of each mode at the first context (host syncs of our code, top CUDA / CPU ops).

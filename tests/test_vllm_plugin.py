@@ -570,9 +570,11 @@ def test_options_and_version_errors():
             VllmOptions(**bad)
     # which options let vLLM replay full graphs for decode
     assert VllmOptions().full_graphs and not VllmOptions(cuda_graphs="off").full_graphs
-    assert not any(VllmOptions(mode=m).full_graphs for m in ("dense", "proxy-prefetch", "oasiskv"))
-    assert all(VllmOptions(mode=m, cuda_graphs="full").full_graphs for m in ("proxy-prefetch", "oasiskv"))
-    assert not VllmOptions(mode="oasiskv", cuda_graphs="full", measure_recall=True).full_graphs
+    assert not VllmOptions(mode="dense").full_graphs
+    assert all(VllmOptions(mode=m, cuda_graphs=g).full_graphs for m in ("proxy-prefetch", "oasiskv")
+               for g in ("auto", "full"))
+    assert not VllmOptions(mode="oasiskv", measure_recall=True).full_graphs  # recall is accumulated on the host
+    assert not VllmOptions(mode="oasiskv", cuda_graphs="off").full_graphs
     with pytest.raises(ValueError, match="unknown OasisKV option"):
         VllmOptions.from_dict({"mode": "sparse-resident", "topk": 3})
     assert parse_version("0.26.0+cu130") == (0, 26, 0) and parse_version("0.33.0rc1") == (0, 33, 0)
@@ -683,17 +685,22 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
 @pytest.mark.usefixtures("_vllm")
 def test_full_graphs_of_the_host_pool_modes_ask_for_vllms_v1_model_runner(monkeypatch):
     """vLLM 0.26's V2 model runner replays full graphs before any forward context exists, where the connector
-    prepares a replay: engine_args asks for V1 on CUDA (not for piecewise graphs, nor on the CPU), and refuses an
-    environment that asks for V2."""
+    prepares a replay: engine_args asks for V1 on CUDA (not for piecewise graphs, measured recall, sparse-resident or
+    on the CPU); with an environment asking for V2, ``auto`` falls back to piecewise graphs and ``full`` is refused."""
     from oasiskv_runtime.vllm import engine_args
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    engine_args(mode="oasiskv", platform="cuda")
-    engine_args(mode="oasiskv", cuda_graphs="full", platform="cpu")
+    engine_args(mode="oasiskv", cuda_graphs="off", platform="cuda")
+    engine_args(mode="oasiskv", measure_recall=True, platform="cuda")
+    engine_args(mode="sparse-resident", platform="cuda")
+    engine_args(mode="oasiskv", platform="cpu")
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
-    engine_args(mode="proxy-prefetch", cuda_graphs="full", platform="cuda")
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    args = engine_args(mode="proxy-prefetch", platform="cuda")
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and args["additional_config"]["oasiskv"]["cuda_graphs"] == \
+        "auto"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    args = engine_args(mode="oasiskv", platform="cuda")
+    assert args["additional_config"]["oasiskv"]["cuda_graphs"] == "off"
     with pytest.raises(ValueError, match="V1 model runner"):
         engine_args(mode="oasiskv", cuda_graphs="full", platform="cuda")
 

@@ -12,12 +12,16 @@ the backend modules (``backend``, ``plugin``) are loaded by vLLM itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from typing import Any
 
 from oasiskv_runtime.config import Mode
 from oasiskv_runtime.vllm.options import CONFIG_KEY, VllmOptions
 from oasiskv_runtime.vllm.version import UnsupportedVllmVersion, check_vllm_version
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["engine_args", "serve_flags", "speculative_config", "VllmOptions", "UnsupportedVllmVersion",
            "spec_decode_counts", "acceptance"]
@@ -68,8 +72,9 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     ``eagle3:<dir>`` or ``none``; any draft is vLLM's own speculative decoding with one token, and turns vLLM's
     stats on so the acceptance rate can be read (:func:`acceptance`). ``measure_recall``: host-pool modes report
     each layer's prediction recall (host round trips). ``cuda_graphs``: ``auto`` (decode-only steps replay full CUDA
-    graphs in sparse-resident), ``full`` (in the host-pool modes too) or ``off`` (vLLM's piecewise graphs only; see
-    ``VllmOptions.cuda_graphs``; ``full`` in a host-pool mode on CUDA sets ``VLLM_USE_V2_MODEL_RUNNER=0``:
+    graphs; the host-pool modes stay piecewise if the environment asks for vLLM's V2 model runner), ``full`` (the
+    same, refusing V2) or ``off`` (vLLM's piecewise graphs only; see
+    ``VllmOptions.cuda_graphs``; full graphs in a host-pool mode on CUDA set ``VLLM_USE_V2_MODEL_RUNNER=0``:
     :func:`use_v1_model_runner`). ``admission`` (host-pool modes): ``working-set`` (vLLM's cache frees a request's
     blocks once its prefill completes, keeping three: more requests fit), ``full`` (vLLM keeps them all), ``auto``
     (working-set, but full with an EAGLE-3 draft, whose draft layers attend their whole context in vLLM's cache).
@@ -106,8 +111,19 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     if _on_cuda(platform):
         out["attention_backend"] = "CUSTOM"
         if parsed.uses_host_pool and opts.full_graphs:
-            use_v1_model_runner()
+            if cuda_graphs == "auto" and _asks_for_v2():
+                logger.warning("OasisKV: VLLM_USE_V2_MODEL_RUNNER asks for vLLM's V2 model runner: the host-pool "
+                               "modes run piecewise CUDA graphs (full graphs need V1)")
+                out["additional_config"] = {CONFIG_KEY: dataclasses.replace(opts, cuda_graphs="off").to_dict()}
+            else:
+                use_v1_model_runner()
     return out
+
+
+def _asks_for_v2() -> bool:
+    import os
+
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False")
 
 
 def use_v1_model_runner() -> None:
@@ -119,9 +135,9 @@ def use_v1_model_runner() -> None:
     engines this process starts (``vllm serve``: set it in the environment)."""
     import os
 
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
+    if _asks_for_v2():
         raise ValueError("cuda_graphs='full' in the host-pool modes needs vLLM's V1 model runner, and "
-                         "VLLM_USE_V2_MODEL_RUNNER asks for V2: unset it, or use cuda_graphs='auto'")
+                         "VLLM_USE_V2_MODEL_RUNNER asks for V2: unset it, or use cuda_graphs='auto' (piecewise then)")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 

@@ -170,8 +170,9 @@ class HostPoolRuntime:
     def configure(self, mode: str | None = None, fetch_ratio: float | None = None,
                   measure_recall: bool | None = None) -> None:
         if self.full_graphs and (mode is not None or fetch_ratio is not None):
-            raise ValueError("with full CUDA graphs (cuda_graphs='full') the predicting row and the fetch cap are "
-                             "recorded in vLLM's captured graphs: start an engine per setting, or cuda_graphs='auto'")
+            raise ValueError("with full CUDA graphs (cuda_graphs 'auto' / 'full' on CUDA) the predicting row and the "
+                             "fetch cap are recorded in vLLM's captured graphs: start an engine per setting, or "
+                             "cuda_graphs='off'")
         if mode is not None:
             m = Mode.parse(mode)
             if m not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
@@ -511,16 +512,16 @@ def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtyp
         raise NotImplementedError("OasisKV's host-pool modes on vLLM run without pipeline parallelism")
     if capturing():
         raise RuntimeError("OasisKV: the host-pool runtime would be made inside a CUDA-graph capture (no eager forward "
-                           "ran first); run with cuda_graphs='auto' and report this")
+                           "ran first); run with cuda_graphs='off' and report this")
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     nb, _, hkv, d = k_cache.shape
     rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device,
                          vllm_config.scheduler_config.max_num_seqs, scale, vllm_config.model_config.max_model_len)
     rt.full_graphs = opts.full_graphs and k_cache.device.type == "cuda"
     if rt.full_graphs and getattr(vllm_config, "use_v2_model_runner", False):
-        raise RuntimeError("OasisKV: cuda_graphs='full' in the host-pool modes needs vLLM's V1 model runner (the V2 "
+        raise RuntimeError("OasisKV: full CUDA graphs in the host-pool modes need vLLM's V1 model runner (the V2 "
                            "runner replays full graphs outside the forward context the KV connector prepares them "
-                           "in): set VLLM_USE_V2_MODEL_RUNNER=0 (engine_args does), or use cuda_graphs='auto'")
+                           "in): set VLLM_USE_V2_MODEL_RUNNER=0 (engine_args does), or use cuda_graphs='off'")
     _RUNTIMES.clear()  # one engine per process at a time (in-process test engines come one after another)
     _RUNTIMES[id(vllm_config)] = (vllm_config, rt)
     return rt

@@ -51,10 +51,11 @@ class VllmOptions:
     measure_recall: bool = _default("measure_recall")
     """Host-pool modes: recall of each layer's prediction against the true next query's top-K (host round trips)."""
     cuda_graphs: str = _default("cuda_graphs")
-    """``auto``: vLLM replays decode-only steps from full CUDA graphs, attention included, in sparse-resident (measured
-    on the H200); the host-pool modes stay piecewise. ``full``: the host-pool modes too (their request events applied
-    before each replay by the KV connector, steps with a working-set fill run eagerly; not yet run with vLLM on a
-    GPU). ``off``: vLLM's piecewise graphs only (our attention eager between them), in every mode."""
+    """``auto`` (= ``full``): vLLM replays decode-only steps from full CUDA graphs, attention included (measured on the
+    H200 in every mode); in the host-pool modes the KV connector runs a replay's host part (the step's request
+    events, its stamp) before it, and a step that fills a working set runs eagerly; they need vLLM's V1 model runner
+    (``engine_args`` asks for it; with ``auto`` and an environment asking for V2 they stay piecewise). ``off``:
+    vLLM's piecewise graphs only (our attention eager between them), in every mode."""
     admission: str = "working-set"
     """Host-pool modes: ``working-set``: once a request's prefill completes, vLLM's paged cache keeps only its first
     block and its last two (``vllm/kv_spec.py``), so vLLM admits requests by what they hold on the device; ``full``:
@@ -94,14 +95,11 @@ class VllmOptions:
 
     @property
     def full_graphs(self) -> bool:
-        """Whether vLLM may replay decode-only steps from full CUDA graphs with these options: sparse-resident unless
-        ``cuda_graphs`` is off; the host-pool modes with ``cuda_graphs='full'`` and without ``measure_recall``
-        (recall is accumulated on the host)."""
+        """Whether vLLM may replay decode-only steps from full CUDA graphs with these options: unless ``cuda_graphs``
+        is off, and in the host-pool modes unless ``measure_recall`` (recall is accumulated on the host)."""
         if not self.enabled or self.cuda_graphs == "off":
             return False
-        if self.parsed_mode is Mode.SPARSE_RESIDENT:
-            return True
-        return self.cuda_graphs == "full" and not self.measure_recall
+        return self.parsed_mode is Mode.SPARSE_RESIDENT or not self.measure_recall
 
     @property
     def working_set_admission(self) -> bool:
