@@ -86,7 +86,7 @@ class FakeChild:
 
     def __call__(self, command, device, log_path, timeout_s, on_progress=None) -> dict[str, Any]:
         argv = command(str(log_path.parent))
-        payload = json.loads(argv[-2])
+        payload = json.loads(Path(argv[-2]).read_text())  # the payload file (vllm_child.child_command)
         assert argv[1:3] == ["-m", accuracy_vllm.__name__]
         self.payloads.append(payload)
         mode = (payload["plugin"] or {"mode": "dense"})["mode"]
@@ -110,6 +110,8 @@ def test_vllm_run_sends_the_embedded_token_ids_and_writes_labelled_rows(tiny, tm
     dense, oasis = child.payloads
     assert dense["prompts"] == want and oasis["prompts"] == want  # the ids the embedded engine would be given
     assert dense["plugin"] is None and oasis["plugin"]["top_k_blocks"] == 4
+    # vLLM's max_num_seqs: the batch, not the default 256 (the host-pool modes' pinned pool is sized by it)
+    assert dense["llm"]["max_num_seqs"] == oasis["llm"]["max_num_seqs"] == len(want)
     assert all(p["temperature"] == 0.0 and p["max_tokens"] == 3 and p["stop_token_ids"] for p in dense["params"])
     assert {p["seed"] for p in dense["params"]} == {p["seed"] for p in oasis["params"]}
 

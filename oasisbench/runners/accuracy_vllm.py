@@ -80,6 +80,8 @@ class VllmEngine:
         """vLLM's arguments; without ``--kv-cache-gb`` a KV cache that holds the whole batch (vLLM's own default on
         the CPU reserves most of the machine's memory and refuses to start where others use some)."""
         kwargs = dict(self.plan.llm_kwargs)
+        # no more sequences than prompts: the host-pool modes size their pool by max_num_seqs x max_model_len
+        kwargs["max_num_seqs"] = max(1, min(int(kwargs["max_num_seqs"]), len(prompts)))
         if "kv_cache_memory_bytes" not in kwargs:
             import torch
 
