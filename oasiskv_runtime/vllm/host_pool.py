@@ -46,6 +46,7 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
+from oasiskv_runtime.transfer.host_memory import available_host_bytes
 from oasiskv_runtime.transfer.host_pool import HostKVPool
 from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 from oasiskv_runtime.vllm.batch import (LOCAL_SLOTS, FillBatch, HostPoolBatch, StepPlan, fill_batch,
@@ -221,6 +222,10 @@ class HostPoolRuntime:
     def _known(self, rows: torch.Tensor) -> torch.Tensor:
         return (rows >= 0) & (rows < self.scratch_row)
 
+    def _or_scratch(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` with the scratch row where a request has none."""
+        return torch.where(self._known(rows), rows, torch.full_like(rows, self.scratch_row))
+
     def _pool_rows(self, common: dict, req_rows: torch.Tensor, n: int) -> torch.Tensor:
         """Flat pool row of each of the step's first ``n`` token rows: its request's row slab at the token's
         position (from ``query_start_loc`` and ``seq_lens``, on the device); -1 for padding and rows vLLM does not
@@ -240,8 +245,7 @@ class HostPoolRuntime:
     def _summary_dest(self, st: _Step, runs) -> torch.Tensor:
         """The summary row of each run: its request's row slab (the scratch row's for requests without one) at
         the run's logical block."""
-        rows = st.req_rows[runs.reqs]
-        rows = torch.where(self._known(rows), rows, torch.full_like(rows, self.scratch_row))
+        rows = self._or_scratch(st.req_rows[runs.reqs])
         return rows * self.blocks_per_row + torch.clamp(runs.logical, max=self.blocks_per_row - 1)
 
     # ---- per step ---------------------------------------------------------------------------------------------
@@ -310,8 +314,7 @@ class HostPoolRuntime:
         st.pool_rows = self._pool_rows(common, st.req_rows, st.num_tokens)
         b = plan.batch
         if b is not None:
-            rows = self.row_of_block[b.primary_table[:, 0]]
-            rows = torch.where(rows >= 0, rows, torch.full_like(rows, self.scratch_row))
+            rows = self._or_scratch(st.req_rows[:b.primary_table.shape[0]])  # the leading requests decode
             ready = self.ready[rows]
             st.decode = host_pool_batch(b, rows, ready, self.bound[rows], self.k_slots, self.block_size,
                                         self.step_t if captured else self.step_no, self.host_table(rows))
@@ -463,20 +466,9 @@ class HostPoolRuntime:
                            replayed_steps=0, eager_graph_steps=0, max_running_requests=len(self.first))
 
 
-def _available_host_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_host_memory(pool_bytes: int, max_rows: int, max_model_len: int) -> None:
     """Refuse a pinned pool the host cannot hold (before allocating it): the arithmetic in the error."""
-    avail = _available_host_bytes()
+    avail = available_host_bytes()
     if avail is None:  # not Linux: no check
         return
     if pool_bytes > 0.9 * avail:

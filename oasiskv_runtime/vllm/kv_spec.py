@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Any
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -39,8 +38,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from oasiskv_runtime.vllm.requests import decoding_since
-
-logger = logging.getLogger(__name__)
 
 KEPT_HEAD_BLOCKS = 1
 """Leading blocks a decoding request keeps (its first block identifies it in a step's batch)."""
@@ -64,12 +61,6 @@ class OasisKVManager(FullAttentionManager):
             return  # in prefill (or its last chunk still running): every block is attended
         end = processed_computed_tokens // self.block_size - KEPT_TAIL_BLOCKS + 1
         self._remove_blocks_in_range(request_id, KEPT_HEAD_BLOCKS, end)
-
-
-def held_blocks(manager: Any, request_id: str) -> int:
-    """Blocks a request holds in a manager (null blocks excluded): what the tests check."""
-    null = manager.block_pool.null_block
-    return sum(b is not null for b in manager.req_to_blocks.get(request_id, ()))
 
 
 def _uses_working_set(layer: Any, vllm_config: Any) -> bool:
