@@ -210,12 +210,10 @@ def test_engine_tier_refuses_prefill_decode_staging(tiny):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_engine_tier_on_cuda_equals_a_large_host_pool():
+def test_engine_tier_on_cuda_equals_a_large_host_pool(tmp_path):
     """The asynchronous pipeline, the kernels and CUDA graphs read and write both parts; the same tokens and
     traffic as a host pool that holds everything."""
-    import tempfile
-
-    path = str(write_tiny(tempfile.mkdtemp(), "qwen3", head_dim=64, max_position_embeddings=4096))
+    path = str(write_tiny(tmp_path, "qwen3", head_dim=64, max_position_embeddings=4096))
     probe = LLM(path, device="cuda", dtype="float32", mode="oasiskv", block_size=16, top_k_blocks=4,
                 host_kv_bytes=1 << 24)
     bb = probe.engine.block_bytes

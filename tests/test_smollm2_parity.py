@@ -45,3 +45,18 @@ def test_smollm2_sparse_modes_with_covering_budget_equal_dense():
         assert [o.token_ids for o in llm.generate(prompts, params)] == dense, mode
     # oasiskv ran with the default draft: the shipped EAGLE-3 head behind the n-gram draft, which only steers
     assert llm.engine.config.sparse.draft.startswith("ngram+eagle3:") and llm.stats.num_draft_checked > 0
+
+
+def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
+    """Each fresh venv installs the GGUF at a new path: the conversion must be found again, not redone (and kept
+    again, ~0.5 GB each); a file with other bytes gets its own entry."""
+    from oasiskv_runtime.models import loader
+
+    monkeypatch.setattr(loader, "_cache_root", lambda: tmp_path / "cache")
+    data = bytes(range(256)) * 64
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for p, body in ((a, data), (b, data), (c, data[:-1] + b"\x00")):
+        p.parent.mkdir()
+        p.write_bytes(body)
+    assert loader._gguf_cache_dir(a, sample=1024) == loader._gguf_cache_dir(b, sample=1024)
+    assert loader._gguf_cache_dir(a, sample=1024) != loader._gguf_cache_dir(c, sample=1024)

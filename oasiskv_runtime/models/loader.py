@@ -60,10 +60,17 @@ def _cache_root() -> Path:
     return Path(os.path.expanduser("~/.cache/oasiskv"))
 
 
-def _gguf_cache_dir(path: Path) -> Path:
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return _cache_root() / "gguf" / f"{path.stem}-{key}"
+def _gguf_cache_dir(path: Path, sample: int = 4 << 20) -> Path:
+    """Where a GGUF's conversion is cached: keyed by its content (size, first and last `sample` bytes), not by its
+    path or mtime, so the same file installed in another venv (each CI run, each user's venv) reuses one conversion
+    instead of adding ~0.5 GB each time."""
+    size = path.stat().st_size
+    h = hashlib.sha1(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(sample))
+        f.seek(max(0, size - sample))
+        h.update(f.read(sample))
+    return _cache_root() / "gguf" / f"{path.stem}-{h.hexdigest()[:16]}"
 
 
 def _convert_gguf(path: Path) -> Path:
