@@ -9,14 +9,16 @@ mode are kept, and the report gives each plug-in mode's agreement with plain vLL
 length of the common prefix). Dummy weights at real shapes (RANDOM WEIGHTS: with near-uniform logits a bf16 rounding
 flips a greedy token easily, and everything after it differs).
 
-Modes: ``plain`` (vLLM without the plug-in), the plug-in's ``sparse-resident``, ``proxy-prefetch``, ``oasiskv``, and
+Modes: ``plain`` (vLLM without the plug-in; ``plain+ngram`` with vLLM's n-gram speculative decoding of one token,
+the drafts oasiskv runs with, to separate their cost from ours), the plug-in's ``sparse-resident``, ``proxy-prefetch``, ``oasiskv``, and
 our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (its own random weights: its dense vs
 oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). A plug-in mode with
 ``+piecewise`` (``sparse-resident+piecewise``) runs with ``cuda_graphs='off'``: attention eager between vLLM's
 piecewise graphs, beside the full-graph decode of ``cuda_graphs='auto'``; ``+full`` (``oasiskv+full``) with
-``cuda_graphs='full'`` (the same as ``auto`` since the host-pool modes' full graphs became the default). ``MODE@GiB`` (``plain@55``) gives a
-mode its own KV budget (``--capacity`` runs: plain vLLM's cache against the plug-in's cache plus the working sets
-and summaries it allocates beside it, ``plugin_stats.oasiskv.device_bytes``). ``--profile`` replaces the
+``cuda_graphs='full'`` (the same as ``auto`` since the host-pool modes' full graphs became the default).
+``MODE@GiB`` (``plain@55``) gives a mode its own KV budget (``--capacity`` runs: plain vLLM's cache against the
+plug-in's cache plus the working sets and summaries it allocates beside it, ``plugin_stats.oasiskv.device_bytes``;
+the host pool holds ``--host-pool-gb`` worth of requests at once, the rest wait). ``--profile`` replaces the
 timing by a profile of each mode at the first context (host syncs of our code, top CUDA / CPU ops).
 
     python bench/vllm_decode.py --model qwen3-8b --batch 16 --context 16384,32768 --out vllm-decode.json
@@ -217,11 +219,16 @@ def one_mode(a: argparse.Namespace) -> dict:
 
     mode, _, variant = a.mode.partition("+")
     graphs = {"": "auto", "piecewise": "off", "full": "full"}
-    if variant not in graphs:
+    platform = "cuda" if a.device == "cuda" else "cpu"
+    if mode == "plain":  # plain vLLM; plain+ngram: with vLLM's n-gram speculative decoding (one token), as oasiskv
+        if variant not in ("", "ngram"):
+            raise ValueError(f"plain vLLM's variant {variant!r}: +ngram (vLLM's n-gram drafts) or none")
+        extra = engine_args(mode="dense", draft="ngram", platform=platform) if variant else {}
+    elif variant not in graphs:
         raise ValueError(f"mode variant {variant!r}: +piecewise (cuda_graphs='off') or +full (cuda_graphs='full')")
-    extra = {} if mode == "plain" else engine_args(mode=mode, top_k_blocks=a.top_k, draft=a.draft,
-                                                   platform="cuda" if a.device == "cuda" else "cpu",
-                                                   cuda_graphs=graphs[variant])
+    else:
+        extra = engine_args(mode=mode, top_k_blocks=a.top_k, draft=a.draft, platform=platform,
+                            cuda_graphs=graphs[variant], host_pool_gb=a.host_pool_gb)
     max_len = max(a.context) + 16
     t0 = time.perf_counter()
     kwargs = dict(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=a.dtype, seed=0,
@@ -236,7 +243,7 @@ def one_mode(a: argparse.Namespace) -> dict:
         out["profile"] = profile_mode(llm, a, vocab, [{"prompt_token_ids": p}
                                                       for p in prompts_for(a.context[0], a, vocab)])
         return out
-    drafting = mode == "oasiskv" if a.draft == "auto" else a.draft != "none"
+    drafting = "speculative_config" in extra
     before = spec_decode_counts(llm) if drafting else None
 
     def params(n):
@@ -337,6 +344,8 @@ def main() -> None:
                     "output throughput, the most requests decoding at once, TTFT / TPOT, preemptions")
     ap.add_argument("--host-timers", action="store_true", help="the plug-in accounts its host time per phase "
                     "(OASISKV_HOST_TIMERS=1; plugin_stats.host_ms; a few microseconds per layer)")
+    ap.add_argument("--host-pool-gb", default="auto", type=lambda v: v if v == "auto" else float(v),
+                    help="engine_args' host_pool_gb for the host-pool modes (auto: 80%% of available host memory)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
     ap.add_argument("--out", default="vllm-decode.json")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # the child: JSON args
@@ -356,7 +365,7 @@ def main() -> None:
                      batched_tokens=a.batched_tokens,
                      device=a.device, dtype=a.dtype, draft=a.draft, profile=a.profile,
                      profile_tokens=a.profile_tokens, preset=a.model, host_timers=a.host_timers,
-                     capacity=a.capacity)
+                     capacity=a.capacity, host_pool_gb=a.host_pool_gb)
         try:
             env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function
             if a.host_timers:

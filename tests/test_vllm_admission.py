@@ -125,19 +125,25 @@ def _stepped(model_dir, **extra) -> dict:
         gc.collect()
 
 
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The tiny model (2 layers x 2 KV heads x 32 dims: 1 KiB of KV per token) and plain vLLM's run of it."""
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    model = write_tiny(tmp_path_factory.mktemp("m"), "llama", hidden_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, num_hidden_layers=2)
+    return model, _stepped(model)
+
+
 @needs_vllm
-def test_working_set_admission_runs_more_requests_than_plain_vllm_with_its_tokens(tmp_path):
+def test_working_set_admission_runs_more_requests_than_plain_vllm_with_its_tokens(plain_run):
     """Same KV budget (40 blocks), six requests of 14 blocks: plain vLLM runs at most two at a time; the plug-in in
     oasiskv with admission='working-set' runs more (each decoding request holds three blocks), with plain vLLM's
     greedy tokens (top-K covers the context), fetches from the host pool, and when all have ended vLLM's cache is
     empty and every state row is free. With admission='full' the plug-in is held to plain vLLM's concurrency (its
     scheduler admits a third request and preempts: the preempted requests' recomputed tokens equal too)."""
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from oasiskv_runtime.vllm import engine_args
 
-    model = write_tiny(tmp_path / "m", "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=32, num_hidden_layers=2)
-    plain = _stepped(model)
+    model, plain = plain_run
     args = dict(mode="oasiskv", top_k_blocks=16, draft="none", platform="cpu")
     ours = _stepped(model, **engine_args(**args))
     full = _stepped(model, **engine_args(**args, admission="full"))
@@ -150,3 +156,21 @@ def test_working_set_admission_runs_more_requests_than_plain_vllm_with_its_token
     assert st["fills"] >= N and st["fetched_bytes_per_step"] > 0 and st["max_step_bytes_over_cap"] == 0
     for run in (ours, full):  # both tiers empty: vLLM's blocks and the runtime's state rows
         assert run["kv_usage"] == 0.0 and run["stats"]["running_requests"] == 0
+
+
+@needs_vllm
+def test_a_full_host_pool_defers_requests_until_a_row_frees(plain_run):
+    """``host_pool_gb`` for three rows of max_model_len (256 tokens x 1 KiB) with max_num_seqs six: the KV connector
+    defers the other requests in vLLM's queue (without it the fourth start finds no state row and the engine dies),
+    at most three run at once, each waiting request starts as one ends, and the tokens are plain vLLM's."""
+    from oasiskv_runtime.vllm import engine_args
+
+    model, plain = plain_run
+    rows = 3
+    run = _stepped(model, **engine_args(mode="oasiskv", top_k_blocks=16, draft="none", platform="cpu",
+                                        host_pool_gb=rows * 256 * 1024 / (1 << 30)))
+    st = run["stats"]
+    assert st["host_pool_rows"] == rows and st["host_pool_bytes"] == rows * 256 * 1024
+    assert run["most_running"] <= rows and st["max_running_requests"] == rows and run["preemptions"] == 0
+    assert run["tokens"] == plain["tokens"]
+    assert run["kv_usage"] == 0.0 and st["running_requests"] == 0

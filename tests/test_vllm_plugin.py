@@ -584,6 +584,33 @@ def test_options_and_version_errors():
             check_vllm_version(version)
 
 
+def test_host_pool_rows_from_host_pool_gb():
+    """Rows of max_model_len tokens (rounded up to blocks) that host_pool_gb holds, at most max_num_seqs; 0 GiB:
+    max_num_seqs rows; too small for one row: the arithmetic in the error. kv_bytes_per_token from vLLM's config."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from oasiskv_runtime.vllm.options import host_pool_rows, kv_bytes_per_token
+
+    row = 1040 * 1024  # max_model_len 1030 -> 65 blocks of 16 tokens, 1 KiB per token
+    assert VllmOptions(mode="oasiskv").host_pool_rows(64, 1030, 1024) == 64
+    assert VllmOptions(mode="oasiskv", host_pool_gb=10 * row / (1 << 30)).host_pool_rows(64, 1030, 1024) == 10
+    assert VllmOptions(mode="oasiskv", host_pool_gb=10.5 * row / (1 << 30)).host_pool_rows(64, 1030, 1024) == 10
+    assert VllmOptions(mode="oasiskv", host_pool_gb=100 * row / (1 << 30)).host_pool_rows(64, 1030, 1024) == 64
+    with pytest.raises(MemoryError, match="holds no request"):
+        VllmOptions(mode="oasiskv", host_pool_gb=0.5 * row / (1 << 30)).host_pool_rows(64, 1030, 1024)
+    for bad in (-1.0, "8", True):
+        with pytest.raises(ValueError, match="host_pool_gb"):
+            VllmOptions(mode="oasiskv", host_pool_gb=bad)
+    # Qwen3-8B: 36 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes = 144 KiB per token, whatever the TP size
+    mc = SimpleNamespace(get_num_layers=lambda pc: 36, get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 128,
+                         dtype=torch.bfloat16, max_model_len=16400)
+    cfg = SimpleNamespace(model_config=mc, parallel_config=None, scheduler_config=SimpleNamespace(max_num_seqs=60))
+    assert kv_bytes_per_token(cfg) == 147456
+    assert host_pool_rows(cfg, VllmOptions(mode="oasiskv", host_pool_gb=96.0)) == 42  # 2.25 GiB a row
+
+
 def test_speculative_config_one_token():
     assert speculative_config("ngram") == {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
                                            "prompt_lookup_max": 3}
@@ -637,7 +664,7 @@ def test_plugin_resolves_backend_names_by_the_engines_options():
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
-def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
+def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform, monkeypatch):
     """engine_args for each mode, and the same options as `vllm serve` flags parsed by vLLM's own CLI parser."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -647,8 +674,8 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
     assert engine_args(mode="dense", platform=platform) == {}  # plain vLLM: nothing of ours
     assert engine_args(mode="dense", draft="ngram", platform=platform)["speculative_config"]["method"] == "ngram"
     for kwargs in (dict(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform),
-                   dict(mode="oasiskv", top_k_blocks=32, fetch_ratio=0.1, platform=platform),
-                   dict(mode="proxy-prefetch", measure_recall=True, platform=platform)):
+                   dict(mode="oasiskv", top_k_blocks=32, fetch_ratio=0.1, platform=platform, host_pool_gb=8.0),
+                   dict(mode="proxy-prefetch", measure_recall=True, platform=platform, host_pool_gb=8.0)):
         args = engine_args(**kwargs)
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_dir)] + serve_flags(**kwargs)))
@@ -679,6 +706,15 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform):
     assert eagle["additional_config"]["oasiskv"]["admission"] == "full"
     with pytest.raises(ValueError, match="admission"):
         engine_args(mode="oasiskv", admission="sometimes", platform=platform)
+    # the host pool: 80% of the available memory by default in the host-pool modes, as given, or max_num_seqs rows
+    from oasiskv_runtime.vllm import auto_host_pool_gb
+
+    monkeypatch.setattr("oasiskv_runtime.transfer.host_memory.available_host_bytes", lambda: 50 << 30)
+    assert auto_host_pool_gb() == 40.0
+    assert engine_args(mode="oasiskv", platform=platform)["additional_config"]["oasiskv"]["host_pool_gb"] == 40.0
+    assert engine_args(mode="sparse-resident", platform=platform)["additional_config"]["oasiskv"]["host_pool_gb"] == 0
+    assert engine_args(mode="proxy-prefetch", host_pool_gb=12.5, platform=platform)["additional_config"]["oasiskv"][
+        "host_pool_gb"] == 12.5
 
 
 @pytest.mark.vllm

@@ -59,10 +59,24 @@ def _on_cuda(platform: str | None) -> bool:
     return current_platform.is_cuda()
 
 
+HOST_POOL_FRACTION = 0.8
+"""Share of the host's available memory ``engine_args(host_pool_gb='auto')`` gives the host pool (the rest: vLLM's
+processes, the tokenizer, the OS)."""
+
+
+def auto_host_pool_gb() -> float:
+    """``HOST_POOL_FRACTION`` of the host's available memory in GiB (0.0 where it is unknown: ``max_num_seqs`` rows)."""
+    from oasiskv_runtime.transfer.host_memory import available_host_bytes
+
+    avail = available_host_bytes()
+    return 0.0 if avail is None else round(HOST_POOL_FRACTION * avail / (1 << 30), 1)
+
+
 def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: float = 0.05, draft: str | None = "auto",
                 block_size: int = 16, sink_blocks: int = 0, backend: str = "auto", measure_recall: bool = False,
                 platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest",
-                cuda_graphs: str = "auto", admission: str = "auto") -> dict[str, Any]:
+                cuda_graphs: str = "auto", admission: str = "auto", host_pool_gb: float | str = "auto"
+                ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -78,6 +92,9 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     :func:`use_v1_model_runner`). ``admission`` (host-pool modes): ``working-set`` (vLLM's cache frees a request's
     blocks once its prefill completes, keeping three: more requests fit), ``full`` (vLLM keeps them all), ``auto``
     (working-set, but full with an EAGLE-3 draft, whose draft layers attend their whole context in vLLM's cache).
+    ``host_pool_gb`` (host-pool modes): GiB of host memory for the full-KV pool, a row of ``max_model_len`` tokens
+    per running request; when its rows are all held, new requests wait. ``auto``: 80% of the host's available
+    memory now (:data:`HOST_POOL_FRACTION`; where that is unknown, ``max_num_seqs`` rows); 0: ``max_num_seqs`` rows.
     ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
@@ -87,10 +104,12 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
         draft = "ngram" if Mode.parse(mode) is Mode.OASISKV else None
     if admission == "auto":
         admission = "full" if draft and draft.startswith("eagle3") else "working-set"
+    if host_pool_gb == "auto":
+        host_pool_gb = auto_host_pool_gb() if Mode.parse(mode).uses_host_pool else 0.0
     opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
                        sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
                        recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs,
-                       admission=admission)
+                       admission=admission, host_pool_gb=host_pool_gb)
     parsed = opts.parsed_mode
     out: dict[str, Any] = {}
     spec = speculative_config(draft)

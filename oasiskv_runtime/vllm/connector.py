@@ -7,7 +7,8 @@ the scheduler process (role SCHEDULER) and one per worker (role WORKER):
 * scheduler side: :class:`~oasiskv_runtime.vllm.requests.RequestTracker` turns every ``SchedulerOutput`` into
   :class:`~oasiskv_runtime.vllm.requests.StepEvents` (requests that start, end, complete their prefill), sent with
   the step as the connector metadata. It never loads KV (``get_num_new_matched_tokens`` is 0) and never delays a
-  block free.
+  block free; it defers a waiting request (``get_num_new_matched_tokens`` is None) while every state row of the
+  host pool is held (``host_pool_gb``).
 * worker side: ``bind_connector_metadata`` (called before every forward, also for steps without one) applies the
   starts and frees to the attention layers' shared state (``vllm/host_pool.py``) once it exists, and queues the
   rest (fills), which the state takes when its step starts (:meth:`take_events`).
@@ -22,14 +23,17 @@ Written against vLLM 0.26 and 0.32 (the methods used here have the same signatur
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
+from oasiskv_runtime.vllm.options import VllmOptions, host_pool_rows
 from oasiskv_runtime.vllm.requests import CONNECTOR_MODULE, RequestTracker, StepEvents
 
 assert CONNECTOR_MODULE == __name__
+logger = logging.getLogger(__name__)
 
 
 class OasisKVConnectorMetadata(KVConnectorMetadata):
@@ -42,6 +46,11 @@ class OasisKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.tracker = RequestTracker() if role == KVConnectorRole.SCHEDULER else None
         self._queued: StepEvents | None = None
+        self.rows = 0
+        """Scheduler side: the host pool's state rows (requests that may hold one at once; more wait)."""
+        if self.tracker is not None:
+            opts = VllmOptions.from_vllm_config(vllm_config)
+            self.rows = host_pool_rows(vllm_config, opts) if opts is not None else 0
 
     # ---- worker side --------------------------------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -78,7 +87,15 @@ class OasisKVConnector(KVConnectorBase_V1):
         return
 
     # ---- scheduler side -----------------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Never loads KV (0); None (vLLM: not now, ask again next step) while every host-pool row is held, so a
+        request waits in vLLM's queue until one is free."""
+        if self.rows and not self.tracker.holds(request.request_id) and self.tracker.held() >= self.rows:
+            if not self.tracker.deferred:
+                logger.info("OasisKV: all %d rows of the host pool are held; waiting requests start as rows free "
+                            "(host_pool_gb sets the rows)", self.rows)
+            self.tracker.deferred += 1
+            return None, False
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -51,7 +51,7 @@ from oasiskv_runtime.transfer.host_pool import HostKVPool
 from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 from oasiskv_runtime.vllm.batch import (LOCAL_SLOTS, FillBatch, HostPoolBatch, StepPlan, fill_batch,
                                         host_pool_batch)
-from oasiskv_runtime.vllm.options import VllmOptions
+from oasiskv_runtime.vllm.options import VllmOptions, host_pool_rows
 from oasiskv_runtime.vllm.requests import StepEvents
 
 _LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
@@ -100,7 +100,8 @@ class HostPoolRuntime:
 
     def __init__(self, opts: VllmOptions, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, max_rows: int, scale: float, max_model_len: int) -> None:
-        """``num_blocks``: vLLM's KV cache blocks; ``max_rows``: its ``max_num_seqs``; ``scale``: the layers'
+        """``num_blocks``: vLLM's KV cache blocks; ``max_rows``: the pool's state rows (``max_num_seqs``, or fewer
+        with ``host_pool_gb``: :func:`~oasiskv_runtime.vllm.options.host_pool_rows`); ``scale``: the layers'
         attention scale (``minmax_mass`` ranks with it)."""
         self.opts, self.mode = opts, opts.parsed_mode
         if not self.mode.uses_host_pool:
@@ -454,7 +455,8 @@ class HostPoolRuntime:
                    max_step_bytes_over_cap=int(self._cap_excess) * unit,
                    running_requests=len(self.first), max_running_requests=c["max_running_requests"],
                    kv_heads=self.head_map.slot_map.shape[2],
-                   host_pool_bytes=self.host_pool_bytes, device_bytes=self.device_bytes)
+                   host_pool_rows=self.scratch_row, host_pool_bytes=self.host_pool_bytes,
+                   device_bytes=self.device_bytes)
         return out
 
     def reset_counters(self) -> None:
@@ -473,9 +475,10 @@ def check_host_memory(pool_bytes: int, max_rows: int, max_model_len: int) -> Non
         return
     if pool_bytes > 0.9 * avail:
         gib = 1 << 30
-        raise MemoryError(f"OasisKV's host pool needs {pool_bytes / gib:.1f} GiB (max_num_seqs {max_rows} x "
+        raise MemoryError(f"OasisKV's host pool needs {pool_bytes / gib:.1f} GiB ({max_rows} rows x "
                           f"max_model_len {max_model_len} tokens, full KV of every layer), and this host has "
-                          f"{avail / gib:.1f} GiB available: lower max_num_seqs or max_model_len")
+                          f"{avail / gib:.1f} GiB available: set host_pool_gb (requests past its rows wait), or "
+                          f"lower max_num_seqs or max_model_len")
 
 
 _RUNTIMES: dict[int, tuple[Any, HostPoolRuntime]] = {}
@@ -507,8 +510,11 @@ def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtyp
                            "ran first); run with cuda_graphs='off' and report this")
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     nb, _, hkv, d = k_cache.shape
-    rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device,
-                         vllm_config.scheduler_config.max_num_seqs, scale, vllm_config.model_config.max_model_len)
+    if dtype.itemsize != vllm_config.model_config.dtype.itemsize:
+        raise NotImplementedError(f"OasisKV's host pool keeps KV in the model's dtype ({vllm_config.model_config.dtype}"
+                                  f"); vLLM's cache is {dtype} (kv_cache_dtype): run without it")
+    rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device, host_pool_rows(vllm_config, opts), scale,
+                         vllm_config.model_config.max_model_len)
     rt.full_graphs = opts.full_graphs and k_cache.device.type == "cuda"
     if rt.full_graphs and getattr(vllm_config, "use_v2_model_runner", False):
         raise RuntimeError("OasisKV: full CUDA graphs in the host-pool modes need vLLM's V1 model runner (the V2 "

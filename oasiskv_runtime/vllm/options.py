@@ -60,6 +60,12 @@ class VllmOptions:
     """Host-pool modes: ``working-set``: once a request's prefill completes, vLLM's paged cache keeps only its first
     block and its last two (``vllm/kv_spec.py``), so vLLM admits requests by what they hold on the device; ``full``:
     vLLM keeps every block of every request (its own admission; for A/B runs, and EAGLE-3 drafts)."""
+    host_pool_gb: float = 0.0
+    """Host-pool modes: GiB of pinned host memory for the full-KV pool (all ranks of the host together). The pool has
+    a row of ``max_model_len`` tokens per running request: ``min(max_num_seqs, host_pool_gb / row)`` rows; when they
+    are all taken, new requests wait in vLLM's queue (the KV connector defers them) instead of the start failing.
+    0: ``max_num_seqs`` rows (refused at start if the host cannot hold them). ``engine_args`` sets 80% of the
+    host's available memory."""
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
@@ -68,7 +74,7 @@ class VllmOptions:
             raise ValueError(f"mode {mode.value!r} does not run on vLLM; choose one of: {names}")
         object.__setattr__(self, "mode", mode.value)
         for f in fields(self):
-            if f.name not in ("mode", "cuda_graphs", "admission"):
+            if f.name not in ("mode", "cuda_graphs", "admission", "host_pool_gb"):
                 _SPECS[f.name].validate(getattr(self, f.name))
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
@@ -80,6 +86,9 @@ class VllmOptions:
                              f"embedded engine's CPU test layout)")
         if self.admission not in ("working-set", "full"):
             raise ValueError(f"admission is working-set or full, got {self.admission!r}")
+        if not isinstance(self.host_pool_gb, (int, float)) or isinstance(self.host_pool_gb, bool) \
+                or self.host_pool_gb < 0:
+            raise ValueError(f"host_pool_gb is a number of GiB >= 0 (0: max_num_seqs rows), got {self.host_pool_gb!r}")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
@@ -123,6 +132,20 @@ class VllmOptions:
                              f"known: {sorted(known)}")
         return cls(**values)
 
+    def host_pool_rows(self, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> int:
+        """State rows of the host pool (requests that can hold one at a time): ``max_num_seqs``, or fewer when
+        ``host_pool_gb`` holds fewer rows of ``max_model_len`` tokens (``bytes_per_token``: all layers, K and V, all
+        KV heads of the host). The scheduler (which defers requests past it) and every worker compute the same."""
+        if self.host_pool_gb <= 0:
+            return max_num_seqs
+        row = -(-max_model_len // self.block_size) * self.block_size * bytes_per_token
+        rows = int(self.host_pool_gb * (1 << 30) // row)
+        if rows < 1:
+            raise MemoryError(f"OasisKV's host pool of {self.host_pool_gb:.1f} GiB holds no request: one row is "
+                              f"max_model_len {max_model_len} tokens x {bytes_per_token} bytes per token = "
+                              f"{row / (1 << 30):.2f} GiB; raise host_pool_gb or lower max_model_len")
+        return min(max_num_seqs, rows)
+
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "VllmOptions | None":
         """Our options from a ``VllmConfig`` (None: the plug-in was not asked for)."""
@@ -133,3 +156,17 @@ class VllmOptions:
         if not isinstance(values, dict):
             raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {type(values).__name__}")
         return cls.from_dict(values)
+
+
+def kv_bytes_per_token(vllm_config: Any) -> int:
+    """Bytes of one token's full KV in the host pool: K and V of every layer and every KV head of the model (all
+    tensor-parallel ranks of the host together), in the model's dtype (the pool's; fp8 KV caches are not supported)."""
+    mc = vllm_config.model_config
+    layers = mc.get_num_layers(vllm_config.parallel_config)
+    return layers * mc.get_total_num_kv_heads() * mc.get_head_size() * 2 * mc.dtype.itemsize
+
+
+def host_pool_rows(vllm_config: Any, opts: VllmOptions) -> int:
+    """:meth:`VllmOptions.host_pool_rows` for an engine's config."""
+    return opts.host_pool_rows(vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len,
+                               kv_bytes_per_token(vllm_config))

@@ -79,8 +79,18 @@ class RequestTracker:
         """Running requests still in prefill -> tokens their prefill computes."""
         self.decoding: dict[str, int] = {}
         """Running requests past their prefill -> tokens their prefill computed."""
+        self.deferred = 0
+        """Times a waiting request was deferred because every host-pool row was held (the connector counts)."""
         global _CURRENT
         _CURRENT = self
+
+    def holds(self, req_id: str) -> bool:
+        """Whether the request holds (or was just given) a host-pool state row."""
+        return req_id in self.live or req_id in self._alloc
+
+    def held(self) -> int:
+        """State rows held: running requests and those allocated this step."""
+        return len(self.live.keys() | self._alloc.keys())
 
     def on_alloc(self, req_id: str, first_block: int | None, num_tokens: int) -> None:
         self._alloc[req_id] = (-1 if first_block is None else int(first_block), int(num_tokens))
