@@ -80,7 +80,7 @@ def _engine_kwargs(model_dir) -> dict:
                 seed=0, disable_log_stats=False)
 
 
-def _stepped(model_dir, **extra) -> dict:
+def _stepped(model_dir, engine: dict | None = None, **extra) -> dict:
     """All requests submitted at once, stepped to the end: greedy tokens, the most requests that produced a token
     in one step, preemptions, vLLM's KV usage and the plug-in's figures after the last step."""
     import vllm
@@ -88,7 +88,7 @@ def _stepped(model_dir, **extra) -> dict:
 
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 397, (PROMPT,), generator=g).tolist() for _ in range(N)]
-    llm = vllm.LLM(**_engine_kwargs(model_dir), **extra)
+    llm = vllm.LLM(**{**_engine_kwargs(model_dir), **(engine or {})}, **extra)
     try:
         eng = llm.llm_engine
         params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True,
@@ -174,3 +174,22 @@ def test_a_full_host_pool_defers_requests_until_a_row_frees(plain_run):
     assert run["most_running"] <= rows and st["max_running_requests"] == rows and run["preemptions"] == 0
     assert run["tokens"] == plain["tokens"]
     assert run["kv_usage"] == 0.0 and st["running_requests"] == 0
+
+
+@needs_vllm
+def test_preemption_under_working_set_admission_frees_both_tiers(plain_run):
+    """Decoding requests hold ~3 blocks each under working-set admission, and vLLM (0.26, 0.32) admits a request only
+    when its whole prompt fits (``scheduler_reserve_full_isl``), so preemption is rare. With that check off, a cache of
+    18 blocks and 64-token prefill chunks admits prefills by their first chunk and runs out as they grow: vLLM
+    preempts; a preempted request recomputes (in prefill again, a fresh state row), the tokens are plain vLLM's, and
+    at the end vLLM's cache and the state rows are empty."""
+    from oasiskv_runtime.vllm import engine_args
+
+    model, plain = plain_run
+    run = _stepped(model, engine=dict(kv_cache_memory_bytes=18 * BS * 1024, max_num_batched_tokens=64,
+                                     scheduler_reserve_full_isl=False),
+                   **engine_args(mode="oasiskv", top_k_blocks=16, draft="none", platform="cpu"))
+    print("\nworking-set, 18 blocks: most running", run["most_running"], "preemptions", run["preemptions"])
+    assert run["preemptions"] > 0
+    assert run["tokens"] == plain["tokens"]
+    assert run["kv_usage"] == 0.0 and run["stats"]["running_requests"] == 0

@@ -226,7 +226,7 @@ def test_vllm_points_write_the_schemas_records(vllm_run):
     assert 0.0 <= oasis["prediction_recall"] <= 1.0
     assert oasis["draft_accuracy"] == oasis["spec_decode_acceptance_rate"] and oasis["tokens_per_step"] >= 1.0
     env = vllm_run.env
-    assert env["vllm"] == dense["vllm_version"] and env["vllm_drafts"]["auto @ vllm"]["method"] == "ngram"
+    assert env["vllm"] == dense["vllm_version"] and env["vllm_drafts"]["auto @ vllm"]["method"] == "custom_class"
     assert (vllm_run.path / "vllm-point-2.log").is_file()
     assert "## vllm:oasiskv / vllm:dense" in (render_report(vllm_run))
 

@@ -612,9 +612,12 @@ def test_host_pool_rows_from_host_pool_gb():
 
 
 def test_speculative_config_one_token():
-    assert speculative_config("ngram") == {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
-                                           "prompt_lookup_max": 3}
-    assert speculative_config("ngram:5")["prompt_lookup_max"] == 5
+    assert speculative_config("ngram") == {"method": "custom_class", "model": "oasiskv_runtime.vllm.ngram.NgramProposer",
+                                           "num_speculative_tokens": 1}  # the embedded engine's n-gram draft
+    assert speculative_config("ngram:5")["model"] == "oasiskv_runtime.vllm.ngram.NgramProposer5"
+    assert speculative_config("vllm-ngram") == {"method": "ngram", "num_speculative_tokens": 1,
+                                                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    assert speculative_config("vllm-ngram:5")["prompt_lookup_max"] == 5
     assert speculative_config("eagle3:/heads/x") == {"method": "eagle3", "model": "/heads/x",
                                                      "num_speculative_tokens": 1}
     assert speculative_config("none") is None and speculative_config(None) is None
@@ -672,7 +675,8 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform, monk
     from oasiskv_runtime.vllm import engine_args, serve_flags
 
     assert engine_args(mode="dense", platform=platform) == {}  # plain vLLM: nothing of ours
-    assert engine_args(mode="dense", draft="ngram", platform=platform)["speculative_config"]["method"] == "ngram"
+    assert engine_args(mode="dense", draft="ngram", platform=platform)["speculative_config"]["method"] == \
+        "custom_class"
     for kwargs in (dict(mode="sparse-resident", top_k_blocks=64, draft="ngram:4", platform=platform),
                    dict(mode="oasiskv", top_k_blocks=32, fetch_ratio=0.1, platform=platform, host_pool_gb=8.0),
                    dict(mode="proxy-prefetch", measure_recall=True, platform=platform, host_pool_gb=8.0)):
@@ -697,7 +701,8 @@ def test_engine_args_and_serve_flags_reach_vllms_config(tiny_dir, platform, monk
     off = engine_args(mode="sparse-resident", cuda_graphs="off", platform=platform)
     assert off["additional_config"]["oasiskv"]["cuda_graphs"] == "off"
     assert args["speculative_config"]["num_speculative_tokens"] == 1 and args["disable_log_stats"] is False
-    assert engine_args(mode="oasiskv", platform=platform)["speculative_config"]["method"] == "ngram"  # auto draft
+    assert engine_args(mode="oasiskv", platform=platform)["speculative_config"]["model"] == \
+        "oasiskv_runtime.vllm.ngram.NgramProposer"  # auto draft
     assert "speculative_config" not in engine_args(mode="proxy-prefetch", platform=platform)
     # admission: working-set by default, full with an EAGLE-3 draft (its layers attend their whole context)
     assert engine_args(mode="oasiskv", platform=platform)["additional_config"]["oasiskv"]["admission"] == \

@@ -30,23 +30,30 @@ __all__ = ["engine_args", "serve_flags", "speculative_config", "VllmOptions", "U
 def speculative_config(draft: str | None) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` for a draft spec, always ONE speculative token (the look-ahead row).
 
-    ``ngram[:N]``: prompt lookup, suffix matches of 1..N tokens (default 3, as the embedded engine's n-gram draft);
-    ``eagle3:<dir>``: an EAGLE-3 head in ``<dir>``; ``none`` / None: no speculation.
+    ``ngram[:N]``: the embedded engine's n-gram draft (the most recent earlier occurrence of the longest suffix of
+    1..N tokens, default 3) as vLLM's ``custom_class`` proposer (``vllm/ngram.py``: the same look-ahead tokens, so
+    the same prefetch, on both front ends); ``vllm-ngram[:N]``: vLLM's own n-gram proposer (its earliest
+    occurrence); ``eagle3:<dir>``: an EAGLE-3 head in ``<dir>``; ``none`` / None: no speculation.
     """
     if draft is None or draft == "none":
         return None
     kind, _, arg = draft.partition(":")
-    if kind == "ngram":
+    if kind in ("ngram", "vllm-ngram"):
         max_n = int(arg) if arg else 3
         if max_n < 1:
             raise ValueError(f"draft {draft!r}: N must be >= 1")
-        return {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
-                "prompt_lookup_max": max_n}
+        if kind == "vllm-ngram":
+            return {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+                    "prompt_lookup_max": max_n}
+        from oasiskv_runtime.vllm.ngram import proposer_path
+
+        return {"method": "custom_class", "model": proposer_path(max_n), "num_speculative_tokens": 1}
     if kind == "eagle3":
         if not arg:
             raise ValueError("draft 'eagle3:<dir>' needs the head's directory")
         return {"method": "eagle3", "model": arg, "num_speculative_tokens": 1}
-    raise ValueError(f"draft {draft!r} has no vLLM counterpart; choose ngram[:N], eagle3:<dir> or none")
+    raise ValueError(f"draft {draft!r} has no vLLM counterpart; choose ngram[:N], vllm-ngram[:N], eagle3:<dir> or "
+                     f"none")
 
 
 def _on_cuda(platform: str | None) -> bool:

@@ -71,7 +71,10 @@ def _uses_working_set(layer: Any, vllm_config: Any) -> bool:
     opts = VllmOptions.from_vllm_config(vllm_config)
     if opts is None or not opts.working_set_admission:
         return False
-    method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None)
+    if method == "custom_class" and str(getattr(spec, "model", "")).startswith("oasiskv_runtime.vllm.ngram."):
+        method = "ngram"  # our n-gram proposer: no model, no KV
     if method not in (None, "ngram"):
         raise ValueError(f"OasisKV admission='working-set' frees a decoding request's blocks in vLLM's cache, where a "
                          f"{method} draft model's layers attend their whole context: use admission='full' with it "
