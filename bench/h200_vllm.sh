@@ -10,6 +10,9 @@
 #   profile   bench/vllm_decode.py --profile: host syncs and top ops of PROFILE_MODES at 16K x 16 (in-process engine)
 #   embedded  our engine's dense and oasiskv on the bench's prompts (the within-engine agreement bar)
 #   bench     bench/vllm_decode.py over BENCH_MODES (decode step and agreement beside plain vLLM)
+#   suite     oasisbench run SUITE (default suites/throughput/paper-qwen3-8b-vllm.yaml) from the source tree, its run
+#             directory under /tmp/suite: a later call (machine still warm) resumes it, so a suite longer than one
+#             call's 10 minutes runs over several calls, each keeping the points it finished (SUITE_S per call)
 # Writes $OUT/<step>.log and <step>.json. BENCH_ARGS replaces the shared bench arguments.
 set -u
 OUT=${OUT:-/tmp/h200-vllm}
@@ -44,6 +47,13 @@ for step in ${STEPS:-tests bench}; do
     profile) decode profile "${PROFILE_S:-300}" --modes "${PROFILE_MODES:-sparse-resident,oasiskv}" --context 16384 \
                --profile --timeout 200 ;;
     embedded) decode embedded "${EMBEDDED_S:-240}" --modes embedded-dense,embedded-oasiskv --timeout 200 ;;
+    suite) run=$(ls -d /tmp/suite/*/* 2>/dev/null | head -1)
+           if [ -n "$run" ]; then where=(--resume "$run"); else where=(--output-dir /tmp/suite); fi
+           timeout "${SUITE_S:-570}" python3 -m oasisbench.cli.main run "${SUITE:-suites/throughput/paper-qwen3-8b-vllm.yaml}" \
+             "${where[@]}" >>"$OUT/suite.log" 2>&1
+           echo "suite exit $?" | tee -a "$OUT/suite.log"
+           pkill -9 -f "oasisbench.runners" 2>/dev/null  # a point cut by the timeout leaves its vLLM process
+           mkdir -p "$OUT/suite" && cp -r /tmp/suite/. "$OUT/suite/" && grep -E "^point|tok/s|error" "$OUT/suite.log" | tail -20 ;;
     bench) decode bench "${BENCH_S:-540}" --modes "${BENCH_MODES:-plain,sparse-resident,proxy-prefetch,oasiskv}" \
              --timeout 200 ;;
   esac

@@ -60,6 +60,9 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
                             "sink_blocks": 0, "recent_blocks": 0, "selection_score": "quest", "backend": "auto",
                             "measure_recall": False, "draft": "ngram"}
     assert sparse.plugin["draft"] == "none"  # as on the embedded engine, only oasiskv drafts
+    # host_kv_gb is the plug-in's pinned pool (host_pool_gb); without it engine_args sizes it from free RAM
+    pooled = plan_points([{**POINT, "engine": "vllm", "mode": "oasiskv", "host_kv_gb": 6}])[0].engine
+    assert pooled.plugin["host_pool_gb"] == 6.0 and "host_pool_gb" not in oasis.plugin
     on_gpu = plan_points([{**POINT, "engine": "vllm", "mode": "dense", "device": "cuda"}], check_device=False)
     assert "enforce_eager" not in on_gpu[0].engine.llm_kwargs  # vLLM's graphs on CUDA
     off = plan_points([{**POINT, "engine": "vllm", "mode": "dense", "device": "cuda", "cuda_graphs": "off"}],
@@ -70,7 +73,7 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
 @pytest.mark.parametrize("extra, message", [
     ({"mode": "fetch-on-demand"}, "does not run on vLLM"),
     ({"mode": "oasiskv", "device_tier": True}, "does not take device_tier"),
-    ({"mode": "oasiskv", "host_kv_gb": 4}, "does not take host_kv_gb"),
+    ({"mode": "sparse-resident", "host_kv_gb": 4}, "only the host-pool modes keep a host pool"),
     ({"mode": "oasiskv", "link_gbps": 30.0}, "does not take link_gbps"),
     ({"mode": "oasiskv", "draft": "oracle"}, "no vLLM counterpart"),
     ({"mode": "oasiskv", "block_size": 8}, "block_size"),

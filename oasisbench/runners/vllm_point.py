@@ -74,8 +74,9 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
     specs = EngineConfig.options()
     refused = [k for k in ENGINE_KEYS if k not in VLLM_POINT_KEYS and point.get(k) is not None
                and point[k] != specs[k].default]
-    if point.get("host_kv_gb") is not None:
-        refused.append("host_kv_gb (the plug-in's host pool holds concurrency x context_len tokens of KV)")
+    host_gb = point.get("host_kv_gb")
+    if host_gb is not None and not Mode.parse(point["mode"]).uses_host_pool:
+        refused.append(f"host_kv_gb in mode {point['mode']} (only the host-pool modes keep a host pool)")
     if refused:
         raise ValueError(f"engine vllm does not take {', '.join(refused)}: embedded-engine options")
     # A key the point leaves None has the embedded engine's default, which VllmOptions shares.
@@ -99,6 +100,8 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
     if graphs == "off" or not str(point["device"]).startswith("cuda"):
         llm["enforce_eager"] = True
     plugin = None if mode is Mode.DENSE else {"mode": mode.value, **options, "draft": draft}
+    if host_gb is not None:  # the plug-in's pinned pool (engine_args' host_pool_gb; without it: 80% of free RAM)
+        plugin["host_pool_gb"] = float(host_gb)
     if plugin is not None and graphs == "full":  # the host-pool modes' decode steps from full graphs too
         plugin["cuda_graphs"] = "full"
     return VllmPlan(llm, plugin)
