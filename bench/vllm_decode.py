@@ -9,8 +9,9 @@ mode are kept, and the report gives each plug-in mode's agreement with plain vLL
 length of the common prefix). Dummy weights at real shapes (RANDOM WEIGHTS: with near-uniform logits a bf16 rounding
 flips a greedy token easily, and everything after it differs).
 
-Modes: ``plain`` (vLLM without the plug-in; ``plain+ngram`` with vLLM's n-gram speculative decoding of one token,
-the drafts oasiskv runs with, to separate their cost from ours), the plug-in's ``sparse-resident``, ``proxy-prefetch``, ``oasiskv``, and
+Modes: ``plain`` (vLLM without the plug-in; ``plain+ngram`` with speculative decoding of one token from the n-gram
+drafts oasiskv runs with, ``engine_args(mode='dense', draft='ngram')``, to separate their cost from ours), the
+plug-in's ``sparse-resident``, ``proxy-prefetch``, ``oasiskv``, and
 our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (its own random weights: its dense vs
 oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). A plug-in mode with
 ``+piecewise`` (``sparse-resident+piecewise``) runs with ``cuda_graphs='off'``: attention eager between vLLM's
@@ -220,9 +221,9 @@ def one_mode(a: argparse.Namespace) -> dict:
     mode, _, variant = a.mode.partition("+")
     graphs = {"": "auto", "piecewise": "off", "full": "full"}
     platform = "cuda" if a.device == "cuda" else "cpu"
-    if mode == "plain":  # plain vLLM; plain+ngram: with vLLM's n-gram speculative decoding (one token), as oasiskv
+    if mode == "plain":  # plain vLLM; plain+ngram: with the n-gram speculative decoding (one token) oasiskv runs
         if variant not in ("", "ngram"):
-            raise ValueError(f"plain vLLM's variant {variant!r}: +ngram (vLLM's n-gram drafts) or none")
+            raise ValueError(f"plain vLLM's variant {variant!r}: +ngram (oasiskv's n-gram drafts) or none")
         extra = engine_args(mode="dense", draft="ngram", platform=platform) if variant else {}
     elif variant not in graphs:
         raise ValueError(f"mode variant {variant!r}: +piecewise (cuda_graphs='off') or +full (cuda_graphs='full')")
