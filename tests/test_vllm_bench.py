@@ -120,11 +120,14 @@ def test_committed_vllm_suites_plan():
     planned = plan_points(paper.expand(), check_device=False)  # a GPU suite, planned on any machine
     assert [series_label(pp.point) for pp in planned] == ["vllm:dense", "vllm:oasiskv", "oasiskv"] * 2
     tier = load_suite(SUITES / "paper-qwen3-8b-capacity-tier.yaml").expand()
-    same = ("model", "output_len", "kv_cache_gb", "dtype", "max_num_batched_tokens", "top_k_blocks", "fetch_ratio")
+    same = ("model", "output_len", "dtype", "max_num_batched_tokens", "top_k_blocks", "fetch_ratio")
     assert {tuple(p[k] for k in same) for p in tier} == {tuple(pp.point[k] for k in same) for pp in planned}
     assert {(p["context_len"], p["concurrency"]) for p in tier} == {
         (pp.point["context_len"], pp.point["concurrency"]) for pp in planned}
-    assert planned[1].engine.llm_kwargs["kv_cache_memory_bytes"] == 55 << 30
+    assert {p["kv_cache_gb"] for p in tier} == {55} and planned[0].engine.llm_kwargs["kv_cache_memory_bytes"] == 55 << 30
+    # the plug-in's vLLM cache is what its working sets and summaries leave of the 55 GiB; its host pool 94 GiB
+    assert [(pp.engine.llm_kwargs["kv_cache_memory_bytes"] >> 30, pp.engine.plugin["host_pool_gb"])
+            for pp in planned if pp.on_vllm and pp.engine.plugin] == [(37, 94.0), (43, 94.0)]
     smoke = load_suite(SUITES / "ci-smoke-vllm.yaml")
     assert smoke.gate is not None and smoke.gate.is_file()
     assert [series_label(pp.point) for pp in plan_points(smoke.expand())] == ["vllm:dense", "vllm:oasiskv"]

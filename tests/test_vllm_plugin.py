@@ -1453,7 +1453,7 @@ def test_host_pool_larger_than_the_host_is_refused_with_the_arithmetic(monkeypat
 
     monkeypatch.setattr(host_pool, "available_host_bytes", lambda: 100 << 30)
     host_pool.check_host_memory(80 << 30, 40, 18432)  # fits
-    with pytest.raises(MemoryError, match=r"needs 120.0 GiB \(max_num_seqs 60 x max_model_len 18432.*100.0 GiB"):
+    with pytest.raises(MemoryError, match=r"needs 120.0 GiB \(60 rows x max_model_len 18432.*100.0 GiB available: set host_pool_gb"):
         host_pool.check_host_memory(120 << 30, 60, 18432)
     monkeypatch.setattr(host_pool, "available_host_bytes", lambda: None)  # not Linux: not checked
     host_pool.check_host_memory(1 << 50, 60, 18432)
