@@ -1,6 +1,6 @@
 """The embedded engine's n-gram draft as vLLM's proposer (``oasiskv_runtime/vllm/ngram.py``): the same guesses as
 ``NgramDraft`` on fresh random sequences (small vocabularies, so matches of every length occur), through the numba
-and the numpy paths; no vLLM needed."""
+and the plain-Python paths; no vLLM needed."""
 
 from __future__ import annotations
 

@@ -48,6 +48,8 @@ class OasisKVConnector(KVConnectorBase_V1):
         self._queued: StepEvents | None = None
         self.rows = 0
         """Scheduler side: the host pool's state rows (requests that may hold one at once; more wait)."""
+        self.deferred = 0
+        """Scheduler side: times a waiting request was deferred because every row was held."""
         if self.tracker is not None:
             opts = VllmOptions.from_vllm_config(vllm_config)
             self.rows = host_pool_rows(vllm_config, opts) if opts is not None else 0
@@ -91,10 +93,10 @@ class OasisKVConnector(KVConnectorBase_V1):
         """Never loads KV (0); None (vLLM: not now, ask again next step) while every host-pool row is held, so a
         request waits in vLLM's queue until one is free."""
         if self.rows and not self.tracker.holds(request.request_id) and self.tracker.held() >= self.rows:
-            if not self.tracker.deferred:
+            if not self.deferred:
                 logger.info("OasisKV: all %d rows of the host pool are held; waiting requests start as rows free "
                             "(host_pool_gb sets the rows)", self.rows)
-            self.tracker.deferred += 1
+            self.deferred += 1
             return None, False
         return 0, False
 

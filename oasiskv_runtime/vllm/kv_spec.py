@@ -64,6 +64,7 @@ class OasisKVManager(FullAttentionManager):
 
 
 def _uses_working_set(layer: Any, vllm_config: Any) -> bool:
+    from oasiskv_runtime.vllm.ngram import is_proposer_path
     from oasiskv_runtime.vllm.options import VllmOptions
 
     if not getattr(getattr(layer, "attn_backend", None), "oasiskv", False):
@@ -73,7 +74,7 @@ def _uses_working_set(layer: Any, vllm_config: Any) -> bool:
         return False
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None)
-    if method == "custom_class" and str(getattr(spec, "model", "")).startswith("oasiskv_runtime.vllm.ngram."):
+    if method == "custom_class" and is_proposer_path(getattr(spec, "model", None)):
         method = "ngram"  # our n-gram proposer: no model, no KV
     if method not in (None, "ngram"):
         raise ValueError(f"OasisKV admission='working-set' frees a decoding request's blocks in vLLM's cache, where a "

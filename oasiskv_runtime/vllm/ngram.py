@@ -13,11 +13,13 @@ The match: the longest suffix of a request's tokens (1..N tokens) that occurred 
 occurrence, and the token that followed it (``NgramDraft.propose_one``). vLLM hands the proposer its input batch's
 token array, not request ids (rows are reordered between steps), so each call scans back from the end instead of
 keeping an index per request: jitted with numba (vLLM's dependency; one request per thread) where it imports, else
-numpy; a scan stops at the first whole-N match, so it reads a request's whole context only when nothing matches.
+plain Python; a scan stops at the first whole-N match, so it reads a request's whole context only when nothing matches.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import re
 from typing import Any
 
@@ -25,6 +27,8 @@ import numpy as np
 
 DEFAULT_MAX_N = 3
 """Suffix matches of up to 3 tokens (``NgramDraft``'s default)."""
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+"""numba is importable (vLLM's dependency): the proposer's scan is jitted."""
 
 
 def recent_match_next(tokens: np.ndarray, n_tok: int, max_n: int) -> int:
@@ -43,52 +47,45 @@ def recent_match_next(tokens: np.ndarray, n_tok: int, max_n: int) -> int:
     return best_next
 
 
-def _numpy_batch(rows: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, max_n: int, out: np.ndarray) -> None:
-    """:func:`recent_match_next` per row, vectorised over positions with numpy (no numba here)."""
-    for j in range(rows.shape[0]):
-        row, n_tok = int(rows[j]), int(lengths[j])
-        seq = tokens[row, :n_tok]
-        out[j] = -1
-        for n in range(min(max_n, n_tok - 1), 0, -1):
-            ends = np.arange(n - 1, n_tok - 1)  # occurrence [end - n + 1, end], its next token at end + 1
-            hit = np.ones(ends.shape[0], dtype=bool)
-            for m in range(n):
-                hit &= seq[ends - m] == seq[n_tok - 1 - m]
-            found = np.flatnonzero(hit)
-            if found.size:
-                out[j] = seq[ends[found[-1]] + 1]
-                break
-
-
-try:
+@functools.cache
+def _numba_batch() -> Any:
+    """:func:`recent_match_next` over rows, jitted with numba (one request per thread); None without numba. Compiled
+    on first use, so importing this module (``engine_args`` does, for :func:`proposer_path`) stays cheap."""
+    if not HAVE_NUMBA:
+        return None
     from numba import njit, prange
 
-    _match_jit = njit(cache=False, nogil=True)(recent_match_next)
+    match = njit(nogil=True)(recent_match_next)
 
-    @njit(parallel=True, nogil=True, cache=False)
-    def _numba_batch(rows, lengths, tokens, max_n, out):  # pragma: no cover - compiled
+    @njit(parallel=True, nogil=True)
+    def batch(rows, lengths, tokens, max_n, out):  # pragma: no cover - compiled
         for j in prange(rows.shape[0]):
-            out[j] = _match_jit(tokens[rows[j]], lengths[j], max_n)
+            out[j] = match(tokens[rows[j]], lengths[j], max_n)
 
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - vLLM brings numba
-    HAVE_NUMBA = False
+    return batch
 
 
 def propose_rows(rows: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, max_n: int,
                  use_numba: bool | None = None) -> np.ndarray:
     """The next-token guess (or -1) of each listed row of ``tokens`` (``[batch, max_len]``), row ``rows[j]``
-    holding ``lengths[j]`` tokens."""
+    holding ``lengths[j]`` tokens: numba where it imports, else the same function in plain Python (slow on long
+    contexts; vLLM always brings numba)."""
     out = np.full(rows.shape[0], -1, dtype=np.int64)
     if rows.shape[0] == 0:
         return out
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    if (HAVE_NUMBA if use_numba is None else use_numba):
-        _numba_batch(rows, lengths, tokens, max_n, out)
+    if HAVE_NUMBA if use_numba is None else use_numba:
+        _numba_batch()(rows, lengths, tokens, max_n, out)
     else:
-        _numpy_batch(rows, lengths, tokens, max_n, out)
+        for j in range(rows.shape[0]):
+            out[j] = recent_match_next(tokens[rows[j]], int(lengths[j]), max_n)
     return out
+
+
+def is_proposer_path(model: str | None) -> bool:
+    """Whether ``speculative_config.model`` names this module's proposer (no draft model, no KV of its own)."""
+    return str(model or "").startswith(__name__ + ".NgramProposer")
 
 
 class NgramProposer:

@@ -79,8 +79,6 @@ class RequestTracker:
         """Running requests still in prefill -> tokens their prefill computes."""
         self.decoding: dict[str, int] = {}
         """Running requests past their prefill -> tokens their prefill computed."""
-        self.deferred = 0
-        """Times a waiting request was deferred because every host-pool row was held (the connector counts)."""
         global _CURRENT
         _CURRENT = self
 
