@@ -91,6 +91,9 @@ OPTION_SPECS: dict[str, _Validator] = {
     "dtype": (lambda v: v in ("float32", "float16", "bfloat16"), "one of float32, float16, bfloat16"),
     "seed": (_is_int, "an integer"),
     "random_weights": (lambda v: isinstance(v, bool), "true or false"),
+    "speculate": (lambda v: v is None or isinstance(v, bool),
+                  "true or false (engine vllm, mode dense: plain vLLM with the point's draft as its one-token "
+                  "speculative decoding, the speculation oasiskv runs with, without the plug-in)"),
     **{name: _engine_spec(name) for name in ENGINE_KEYS},
 }
 

@@ -118,7 +118,10 @@ def test_a_child_payload_larger_than_the_argument_limit_reaches_the_child():
 def test_committed_vllm_suites_plan():
     paper = load_suite(SUITES / "paper-qwen3-8b-vllm.yaml")
     planned = plan_points(paper.expand(), check_device=False)  # a GPU suite, planned on any machine
-    assert [series_label(pp.point) for pp in planned] == ["vllm:dense", "vllm:oasiskv"] * 2 + ["oasiskv"] * 2
+    assert [series_label(pp.point) for pp in planned] == [
+        "vllm:dense", "vllm:dense+ngram", "vllm:oasiskv", "vllm:dense", "vllm:oasiskv", "oasiskv", "oasiskv"]
+    assert planned[1].engine.plugin == {"mode": "dense", "draft": "ngram"}  # vLLM's speculation, none of ours
+    planned = [pp for pp in planned if not pp.point["speculate"]]
     tier = load_suite(SUITES / "paper-qwen3-8b-capacity-tier.yaml").expand()
     same = ("model", "output_len", "dtype", "max_num_batched_tokens", "top_k_blocks", "fetch_ratio")
     assert {tuple(p[k] for k in same) for p in tier} == {tuple(pp.point[k] for k in same) for pp in planned}
@@ -131,6 +134,21 @@ def test_committed_vllm_suites_plan():
     smoke = load_suite(SUITES / "ci-smoke-vllm.yaml")
     assert smoke.gate is not None and smoke.gate.is_file()
     assert [series_label(pp.point) for pp in plan_points(smoke.expand())] == ["vllm:dense", "vllm:oasiskv"]
+
+
+def test_speculate_is_plain_vllm_with_a_draft_and_refused_elsewhere():
+    from oasisbench.results.schema import label_mode
+
+    point = {**POINT, "engine": "vllm", "mode": "dense", "speculate": True, "draft": "ngram"}
+    (pp,) = plan_points([point], check_device=False)
+    assert pp.engine.plugin == {"mode": "dense", "draft": "ngram"} and series_label(pp.point) == "vllm:dense+ngram"
+    assert label_mode(series_label(pp.point)) == "dense"
+    (plain,) = plan_points([{**point, "speculate": False}], check_device=False)
+    assert plain.engine.plugin is None and series_label(plain.point) == "vllm:dense"
+    for bad, why in [({"engine": None}, "vLLM point's key"), ({"mode": "oasiskv"}, "plain vLLM"),
+                     ({"draft": "none"}, "needs a draft")]:
+        with pytest.raises(ValueError, match=why):
+            plan_points([{**point, **bad}], check_device=False)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "llama-3.1-8b", "smollm2-135m-random"])
@@ -206,7 +224,8 @@ def vllm_run(tmp_path_factory):
     common = dict(engine="vllm", model=str(model), context_len=176, output_len=16, concurrency=2, device="cpu",
                   top_k_blocks=4, fetch_ratio=0.25, kv_cache_gb=0.01, measure_recall=True)
     points = [{**common, "mode": "dense"}, {**common, "mode": "oasiskv"},
-              {**common, "mode": "dense", "kv_cache_gb": 0.0001}]
+              {**common, "mode": "dense", "kv_cache_gb": 0.0001},
+              {**common, "mode": "dense", "speculate": True, "draft": "ngram"}]
     store = RunStore(tmp_path_factory.mktemp("vllm_runs"), "vllm-bench")
     run_throughput(points, store)
     return load_run(store.path)
@@ -226,6 +245,11 @@ def test_vllm_points_write_the_schemas_records(vllm_run):
             assert isinstance(m[name], float) and m[name] > 0, name
         assert m["vllm_version"].startswith("0.")
     assert dense["fetched_bytes_per_step"] == 0.0 and dense["draft_accuracy"] is None and "fills" not in dense
+    spec = by_label["vllm:dense+ngram", 0.01]  # plain vLLM speculating: vLLM's counters, none of the plug-in's
+    assert "error" not in spec, spec.get("error")
+    assert spec["completed"] == 2 and spec["total_output_tokens"] == 2 * 16 and spec["num_drafts"] > 0
+    assert spec["draft_accuracy"] == spec["spec_decode_acceptance_rate"] and spec["tokens_per_step"] >= 1.0
+    assert spec["fetched_bytes_per_step"] == 0.0 and "fills" not in spec and "sparse_rows" not in spec
     assert oasis["fills"] == 2 and oasis["sparse_rows"] > 0  # both requests ran the plug-in, blocks were dropped
     assert 0 < oasis["fetched_bytes_per_step"] and oasis["max_step_bytes_over_cap"] == 0
     assert 0 < oasis["max_fetched_bytes_per_step"] <= oasis["max_step_cap_bytes"]

@@ -161,15 +161,18 @@ class Run:
 
 def series_label(point: dict[str, Any]) -> str:
     """What tables, legends and ratios call a point's mode: the mode on the default engine, ``engine:mode`` on
-    another (``vllm:dense`` is plain vLLM), so one run's embedded and vLLM points of a mode are two series."""
+    another (``vllm:dense`` is plain vLLM), so one run's embedded and vLLM points of a mode are two series; plain
+    vLLM speculating with a draft is ``vllm:dense+<draft>``."""
     engine = point.get("engine")
     mode = str(point["mode"])
+    if point.get("speculate"):
+        mode = f"{mode}+{point.get('draft')}"
     return mode if engine in (None, DEFAULT_ENGINE) else f"{engine}:{mode}"
 
 
 def label_mode(label: str) -> str:
-    """The mode of a :func:`series_label` (``vllm:dense`` -> ``dense``)."""
-    return label.rpartition(":")[2]
+    """The mode of a :func:`series_label` (``vllm:dense`` -> ``dense``, ``vllm:dense+ngram`` -> ``dense``)."""
+    return label.rpartition(":")[2].partition("+")[0]
 
 
 def order_modes(modes: set[str] | list[str]) -> list[str]:

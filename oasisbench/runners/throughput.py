@@ -65,6 +65,7 @@ POINT_DEFAULTS: dict[str, Any] = {
     "dtype": "",
     "seed": 0,
     "engine": None,
+    "speculate": None,
     **{k: None for k in SUITE_ENGINE_KEYS},
     **{k: EngineConfig.options()[k].default for k in _NAMED},
 }
@@ -140,6 +141,9 @@ def plan_points(points: list[dict[str, Any]], check_device: bool = True) -> list
         if p["output_len"] >= p["context_len"]:
             raise ValueError(f"point {pid}: output_len ({p['output_len']}) must be below context_len "
                              f"({p['context_len']}): the prompt is context_len - output_len tokens")
+        if p["speculate"] and p["engine"] != "vllm":
+            raise ValueError(f"point {pid}: speculate is a vLLM point's key (plain vLLM with speculative decoding); "
+                             "the embedded engine drafts in mode oasiskv")
         try:
             cfg = plan_vllm_point(p) if p["engine"] == "vllm" else EngineConfig.from_overrides(
                 p["model"], device=p["device"], dtype=p["dtype"], mode=p["mode"], seed=p["seed"],

@@ -225,7 +225,8 @@ class EngineCounters:
         self.host_pool = plugin is not None and Mode(plugin["mode"]).uses_host_pool
         if self.host_pool and not fresh:
             llm.apply_model(functools.partial(configure, reset=True))
-        self.layers = llm.apply_model(collect_stats)[0] if plugin is not None and not fresh else {}
+        self.ours = plugin is not None and plugin["mode"] != Mode.DENSE.value  # dense + draft: vLLM's own only
+        self.layers = llm.apply_model(collect_stats)[0] if self.ours and not fresh else {}
         self.spec, self.preempted = spec_decode_counts(llm), counter(llm, "vllm:num_preemptions")
 
     def since(self) -> dict[str, Any]:
@@ -240,7 +241,7 @@ class EngineCounters:
             acc = acceptance(self.spec, spec_decode_counts(self.llm))
             stats.update(draft_accuracy=acc["acceptance_rate"], spec_decode_acceptance_rate=acc["acceptance_rate"],
                          tokens_per_step=acc["tokens_per_step"], num_drafts=acc["drafts"])
-        if self.plugin is not None:
+        if self.ours:
             layers = self.llm.apply_model(collect_stats)[0]
             stats.update({k: layers[k] - self.layers.get(k, 0) for k in LAYER_STATS})
             if self.host_pool:

@@ -87,8 +87,15 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
     if graphs not in ("auto", "off", "full"):
         raise ValueError(f"engine vllm takes cuda_graphs auto, full or off (vLLM captures its own graphs), got "
                          f"{graphs!r}")
-    # As on the embedded engine, only oasiskv drafts; vLLM's `auto` draft is its n-gram prompt lookup.
-    draft = (point["draft"] if point["draft"] != "auto" else "ngram") if mode.uses_draft else "none"
+    speculate = bool(point.get("speculate"))
+    if speculate and mode is not Mode.DENSE:
+        raise ValueError(f"speculate is for plain vLLM (mode dense); mode {mode.value} drafts as the plug-in does")
+    # As on the embedded engine, only oasiskv drafts; vLLM's `auto` draft is its n-gram prompt lookup. Plain vLLM
+    # drafts only when the point asks to speculate (the baseline with oasiskv's speculation and none of the plug-in).
+    uses_draft = mode.uses_draft or speculate
+    draft = (point["draft"] if point["draft"] != "auto" else "ngram") if uses_draft else "none"
+    if speculate and draft == "none":
+        raise ValueError("speculate needs a draft (ngram, vllm-ngram or eagle3:<dir>), got draft none")
     speculative_config(draft)
     llm: dict[str, Any] = {
         "dtype": point["dtype"], "seed": int(point["seed"]), "max_model_len": int(point["context_len"]),
@@ -99,7 +106,10 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
         llm["kv_cache_memory_bytes"] = int(float(point["kv_cache_gb"]) * (1 << 30))
     if graphs == "off" or not str(point["device"]).startswith("cuda"):
         llm["enforce_eager"] = True
-    plugin = None if mode is Mode.DENSE else {"mode": mode.value, **options, "draft": draft}
+    if mode is Mode.DENSE:  # plain vLLM; speculating: engine_args(mode='dense', draft=...) adds only vLLM's own
+        plugin = {"mode": mode.value, "draft": draft} if speculate else None
+    else:
+        plugin = {"mode": mode.value, **options, "draft": draft}
     if host_gb is not None:  # the plug-in's pinned pool (engine_args' host_pool_gb; without it: 80% of free RAM)
         plugin["host_pool_gb"] = float(host_gb)
     if plugin is not None and graphs == "full":  # the host-pool modes' decode steps from full graphs too
