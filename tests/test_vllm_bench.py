@@ -251,7 +251,31 @@ def test_report_pairs_engines_and_labels_vllm_points():
     assert "| vllm:dense | 4 |" in text and "| engine |" not in text
     section = text.split("## oasiskv / vllm:dense")[1]
     assert "1.50x" in section and "2.00x" in section  # 30 / 20 tok/s, batch 4 / 2
-    assert "admission by working set is not done on vLLM" in text.split("## vllm:oasiskv / vllm:dense")[1]
+    assert "the plug-in admits by working set" in text.split("## vllm:oasiskv / vllm:dense")[1]
+
+
+def test_report_pairs_a_mode_given_its_own_budget_and_names_speculation():
+    """paper-qwen3-8b-vllm gives the plug-in a smaller vLLM cache (its working sets sit beside it): the points still
+    pair, the reading names both budgets, and a ratio that includes accepted drafts says so; plain vLLM speculating
+    (vllm:dense+ngram) is a denominator of its own."""
+    dense = _record("dense", "vllm", 10.0, 2)
+    spec = _record("dense", "vllm", 18.0, 2)
+    spec["point"].update(speculate=True, draft="ngram")
+    spec["metrics"]["tokens_per_step"] = 1.98
+    oasis = _record("oasiskv", "vllm", 30.0, 4)
+    oasis["point"]["kv_cache_gb"] = 0.5
+    oasis["metrics"].update(tokens_per_step=2.0, spec_decode_acceptance_rate=1.0)
+    text = render_report(Run("mix", "r1", env={"device": "cuda"}, records=[dense, spec, oasis]))
+    plain = text.split("## vllm:oasiskv / vllm:dense\n")[1].split("##")[0]
+    assert "1 GiB of device KV for vllm:dense, 0.5 GiB for vllm:oasiskv" in plain and "3.00x" in plain
+    assert "emitted 2.00 tokens a step from accepted drafts, vllm:dense 1.00" in plain
+    spec_section = text.split("## vllm:oasiskv / vllm:dense+ngram")[1]
+    assert "1.67x" in spec_section and "tokens a step" not in spec_section  # 30 / 18, both speculate
+    # a second dense point at another budget: no unique partner, no made-up pair
+    other = _record("dense", "vllm", 12.0, 3)
+    other["point"]["kv_cache_gb"] = 2.0
+    text = render_report(Run("mix", "r1", env={"device": "cuda"}, records=[dense, other, oasis]))
+    assert "## vllm:oasiskv / vllm:dense" not in text
 
 
 # ---------------------------------------------------------------------------------------------------------------

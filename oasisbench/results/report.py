@@ -33,6 +33,8 @@ REPORT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("max_admitted_batch", "admitted"),
     ("fetched_bytes_per_step", "fetch MiB/step"),
     ("prediction_recall", "recall"),
+    ("spec_decode_acceptance_rate", "accepted"),
+    ("tokens_per_step", "tok/step"),
     ("peak_device_memory_bytes", "peak MiB"),
     # oasisbench pd
     ("admission_bytes_per_request", "admit MiB/req"),
@@ -166,19 +168,33 @@ def _paired(run: Run, numerator: str, denominator: str) -> list[tuple[Record, Re
     """(numerator record, denominator record) of every point both mode labels (:func:`series_label`) ran, matched
     as in :func:`ratio_rows` (the engine is part of the label, not of the match: ``oasiskv`` pairs with
     ``vllm:dense``)."""
-    ignore = {"mode", "engine", *SPARSE_ONLY_POINT_KEYS}
+    ignore = {"mode", "engine", "speculate", *SPARSE_ONLY_POINT_KEYS}
 
-    def key(r: Record) -> str:
-        return point_id({k: v for k, v in r["point"].items() if k not in ignore})
+    def key(r: Record, budget: bool = True) -> str:
+        return point_id({k: v for k, v in r["point"].items() if k not in ignore and (budget or k != "kv_cache_gb")})
 
-    dens = {key(r): r for r in run.records if series_label(r["point"]) == denominator}
-    return [(r, dens[key(r)]) for r in run.records if series_label(r["point"]) == numerator and key(r) in dens]
+    den_recs = [r for r in run.records if series_label(r["point"]) == denominator]
+    dens = {key(r): r for r in den_recs}
+    # A suite may give each mode its own device KV budget (paper-qwen3-8b-vllm: the plug-in's working sets sit beside
+    # vLLM's cache, so its cache is smaller); such a point pairs with the one denominator point that differs only so.
+    by_shape: dict[str, list[Record]] = {}
+    for r in den_recs:
+        by_shape.setdefault(key(r, budget=False), []).append(r)
+    pairs = []
+    for r in run.records:
+        if series_label(r["point"]) != numerator:
+            continue
+        if key(r) in dens:
+            pairs.append((r, dens[key(r)]))
+        elif len(by_shape.get(key(r, budget=False), ())) == 1:
+            pairs.append((r, by_shape[key(r, budget=False)][0]))
+    return pairs
 
 
 #: The ratio tables a report gives where both sides ran: OasisKV against dense on each engine, and the embedded
 #: engine's OasisKV against plain vLLM (the baseline serving engineers compare with).
 RATIO_PAIRS: tuple[tuple[str, str], ...] = (("oasiskv", "dense"), ("vllm:oasiskv", "vllm:dense"),
-                                            ("oasiskv", "vllm:dense"))
+                                            ("vllm:oasiskv", "vllm:dense+ngram"), ("oasiskv", "vllm:dense"))
 
 
 def ratio_pairs(run: Run) -> list[tuple[str, str]]:
@@ -201,13 +217,19 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
         return []
     recs = [r for pair in pairs for r in pair]
     gbs = {normalize_value(r["point"].get("kv_cache_gb")) for r in recs}
-    budget = ("the default device KV budget" if gbs == {None} else
-              f"{_values(recs, 'kv_cache_gb', '.3g')} GiB of device KV")
+    nums, dens = [a for a, _ in pairs], [b for _, b in pairs]
+    if gbs == {None}:
+        budget = "the default device KV budget for each"
+    elif len(gbs) == 1:
+        budget = f"{_values(recs, 'kv_cache_gb', '.3g')} GiB of device KV for each"
+    else:
+        budget = (f"{_values(dens, 'kv_cache_gb', '.3g')} GiB of device KV for {denominator}, "
+                  f"{_values(nums, 'kv_cache_gb', '.3g')} GiB for {numerator}")
     shape = f"{_values(recs, 'context_len')} tokens"
     if {r["point"].get("output_len") for r in recs} - {None}:
         shape += f", {_values(recs, 'output_len')} generated"
     compared = (f"Compared {denominator} and {numerator} on the same requests ({shape}; concurrency "
-                f"{_values(recs, 'concurrency')}) with {budget} for each.")
+                f"{_values(recs, 'concurrency')}) with {budget}.")
     ok = [(a, b) for a, b in pairs if not a["metrics"].get("error") and not b["metrics"].get("error")]
     failed = f" {len(pairs) - len(ok)} point(s) failed in one mode: no ratio there." if len(ok) < len(pairs) else ""
     if not ok:
@@ -226,8 +248,9 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
                                                  if len({r['point']['context_len'] for r in recs}) > 1 else "")
     if batch_ratio is not None and batch_ratio <= 1.0 and numerator.startswith("vllm:"):
         capacity = (f"Capacity: at {where} {_cell(a, 'max_running_batch')} {numerator} and "
-                    f"{_cell(b, 'max_running_batch')} {denominator} requests ran at once: vLLM reserves KV blocks for "
-                    f"the whole context in every mode (admission by working set is not done on vLLM yet).{failed}")
+                    f"{_cell(b, 'max_running_batch')} {denominator} requests ran at once: the plug-in admits by working "
+                    f"set, so its host pool's rows (host_pool_gb), max_num_seqs or scheduler_reserve_full_isl "
+                    f"bounded it here, not the device budget.{failed}")
     elif batch_ratio is not None and batch_ratio > 1.0:
         capacity = (f"Capacity: at {where} the budget fit {_cell(b, 'max_running_batch')} {denominator} requests at "
                     f"once and {_cell(a, 'max_running_batch')} {numerator} ({batch_ratio:.2f}x): {numerator} keeps "
@@ -241,6 +264,10 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
     why = ("" if tput is None else f" (the bigger batch outweighed {numerator}'s per-step selection cost)"
            if tput >= 1 and bigger else f" ({numerator}'s per-step selection cost outweighed the bigger batch here)"
            if bigger else "")
+    steps_a, steps_b = metric_value(a, "tokens_per_step") or 1.0, metric_value(b, "tokens_per_step") or 1.0
+    if steps_a > steps_b + 0.05:  # accepted drafts: more than one token a step, which the denominator lacks
+        why += (f"; {numerator} emitted {steps_a:.2f} tokens a step from accepted drafts, {denominator} "
+                f"{steps_b:.2f}: that part is speculation, which plain vLLM runs too (a point's speculate: true)")
     reading = (f"Throughput: {numerator}/{denominator} tok/s at {where} = {'–' if tput is None else f'{tput:.2f}x'}"
                f"{why}. " + ("CPU timings are noisy and a CPU step is compute-bound, not memory-bound as a GPU's "
                              "decode: trust the batch ratio." if cpu else "Runs compare with `oasisbench compare`."))
