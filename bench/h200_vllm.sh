@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Device calls with vLLM 0.26 on the H200. The offline bundle (../shared/vllm_gpu_bundle.sh DIR MB) goes over one part
-# per call, calls back to back (a warm machine keeps /tmp): each part call runs
-#   mkdir -p /tmp/vst && cp .vbundle/part-* .vbundle/*.whl /tmp/vst/ 2>/dev/null; ls /tmp/vst
-# with carry=[".vbundle"] holding that call's part (and, for vLLM's n-gram drafter, numba 0.65 / llvmlite 0.47
-# wheels: `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`). This script then installs what
+# per call, calls back to back (a warm machine keeps /tmp, and goes cold after ~30 s idle): lay the parts out once,
+# one folder each (hard links: for x in a b c d; do mkdir -p .vbundle/$x; ln DIR/part-a$x .vbundle/$x/; done), then
+# call with carry=[".vbundle/a"], [".vbundle/b"], ... and no local step in between, each running
+#   mkdir -p /tmp/vst && cp .vbundle/*/part-* /tmp/vst/ && ls /tmp/vst
+# and the last one this script too (vLLM's n-gram drafter needs numba; the 0.26 bundle brings it). Swapping the part in
+# one .vbundle folder between calls let the machine go cold (seen: the first parts were gone). A call carries at most
+# 64 MiB with the working tree (~24 MiB with results/ and the shipped draft head): parts of 62 - tree MiB. This script
+# installs what
 # /tmp/vst holds (once per warm machine), registers the plug-in's entry point without building the project (a
 # dist-info beside the bundle) and runs the steps named in STEPS (default "tests bench"):
 #   tests     the plug-in's GPU tests (pytest -m gpu tests/test_vllm_plugin.py)
@@ -19,7 +23,7 @@ set -u
 OUT=${OUT:-/tmp/h200-vllm}
 mkdir -p "$OUT" /tmp/vst
 here=$(pwd)
-cp .vbundle/part-* .vbundle/*.whl /tmp/vst/ 2>/dev/null
+cp .vbundle/part-* .vbundle/*/part-* .vbundle/*.whl /tmp/vst/ 2>/dev/null
 if [ ! -d /tmp/site/vllm ]; then
   (cd /tmp/vst && cat part-* > b.tar && md5sum b.tar && tar -xf b.tar \
     && python3 -m pip install -q --no-index --no-deps --target /tmp/site vllm-*.whl deps/*.whl $(ls *.whl 2>/dev/null)) \
