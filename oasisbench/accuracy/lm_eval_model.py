@@ -1,4 +1,6 @@
-"""lm-eval model ``oasiskv``: lm-evaluation-harness drives our in-process engine in any mode.
+"""lm-eval model ``oasiskv``: lm-evaluation-harness drives our in-process engine in any mode, or (``llm`` given)
+any engine with the same ``generate`` / ``tokenizer`` / ``max_model_len`` / ``eos_ids`` / ``model_info`` (the
+accuracy runner's vLLM engine: generative tasks through vLLM + OasisKV).
 
 ``generate_until`` sends every request of a call through ONE ``LLM.generate`` call, so the engine batches them
 continuously, exactly as a served workload would be; sparse modes decode with their own attention path.
@@ -62,9 +64,9 @@ class OasisKVLM(LM):
                       max_num_seqs=int(max_num_seqs))
         self.llm = llm
         self.seed = int(seed)
-        window = llm.engine.max_model_len
+        window = llm.max_model_len
         self.max_length = min(int(max_length), window) if max_length else window
-        self._device = llm.config.device
+        self._device = llm.model_info()["device"]
         self.num_output_tokens = 0
         self.num_prompt_tokens = 0
         self.generate_seconds = 0.0
@@ -79,7 +81,7 @@ class OasisKVLM(LM):
     def tokenizer_name(self) -> str:
         """Fingerprints lm-eval's request cache (same convention as HFLM)."""
         tok = self.tokenizer
-        return (getattr(tok, "name_or_path", None) or str(self.llm.config.model)).replace("/", "__")
+        return (getattr(tok, "name_or_path", None) or str(self.llm.model_info()["model"])).replace("/", "__")
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """The template text lm-eval records in its config; None when disabled or absent."""
@@ -94,7 +96,7 @@ class OasisKVLM(LM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render a chat as prompt text. Templates that reject a system turn get it dropped, as HFLM does."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.llm.config.model!r} has no chat template; run without it")
+            raise ValueError(f"model {self.llm.model_info()['model']!r} has no chat template; run without it")
         kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
                       continue_final_message=not add_generation_prompt)
         try:
@@ -104,15 +106,12 @@ class OasisKVLM(LM):
             return self.tokenizer.apply_chat_template(chat_history, **kwargs)
 
     def get_model_info(self) -> dict[str, Any]:
-        cfg = self.llm.config
-        return {"model": cfg.model, "mode": cfg.mode.value, "top_k_blocks": cfg.sparse.top_k_blocks,
-                "fetch_ratio": cfg.sparse.fetch_ratio, "draft": cfg.sparse.draft,
-                "random_weights": self.llm.engine.model_config.random_weights}
+        return self.llm.model_info()
 
     # ---- encoding --------------------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"model {self.llm.config.model!r} has no tokenizer (random-weight preset): "
+            raise ValueError(f"model {self.llm.model_info()['model']!r} has no tokenizer (random-weight preset): "
                              "text tasks need a real tokenizer")
         # No special tokens, like HFLM: chat-templated text already carries BOS and role tokens.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -123,7 +122,7 @@ class OasisKVLM(LM):
         for tid in (getattr(tok, "bos_token_id", None), getattr(tok, "eos_token_id", None)):
             if tid is not None:
                 return int(tid)
-        return sorted(self.llm.engine.eos_ids)[0]
+        return sorted(self.llm.eos_ids)[0]
 
     def _fit(self, prompt: list[int], max_gen: int) -> tuple[list[int], int]:
         """Prompt and generation budget within ``max_length``. Generation gets what the prompt leaves, but
@@ -170,9 +169,11 @@ class OasisKVLM(LM):
             stops.append(until)
         if not prompts:
             return []
-        start = time.perf_counter()
+        start, engine_s = time.perf_counter(), getattr(self.llm, "generate_seconds", None)
         outs = self.llm.generate(prompts, params)
-        self.generate_seconds += time.perf_counter() - start
+        # an engine that times its own generation (vLLM's child: its start is not generation) is taken at its word
+        self.generate_seconds += (self.llm.generate_seconds - engine_s if engine_s is not None
+                                  else time.perf_counter() - start)
         texts = []
         for req, out, until in zip(requests, outs, stops):
             self.num_output_tokens += len(out.token_ids)
@@ -202,6 +203,9 @@ class OasisKVLM(LM):
             cont = cont[-(self.max_length - 1):]
             ctx = ctx[-(self.max_length - len(cont)):] or [self._prefix_token()]  # keep the context's end
             fitted.append((ctx, cont))
+        if fitted and not isinstance(self.llm, LLM):
+            raise ValueError("loglikelihood requests (multiple-choice scoring) are teacher-forced through the embedded "
+                             "engine's steps; on vLLM only generative tasks run")
         return engine_loglikelihood(self.llm, fitted) if fitted else []
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -130,8 +130,8 @@ def accuracy_cmd(
     seed: SeedOpt = 0,
     engine: Annotated[str, typer.Option(
         "--engine", help="Whose generations are scored: embedded (our engine) or vllm (dense: plain vLLM; other "
-        "modes: vLLM with the OasisKV plug-in; NIAH tasks only; options the plug-in lacks, e.g. --dense-layers, are "
-        "refused). Deltas compare each mode with the same engine's dense.")] = "embedded",
+        "modes: vLLM with the OasisKV plug-in; NIAH and the generative lm-eval tasks; options the plug-in lacks, "
+        "e.g. --dense-layers, are refused). Deltas compare each mode with the same engine's dense.")] = "embedded",
     list_only: Annotated[bool, typer.Option("--list-tasks", help="List tasks, data sources and whether data is "
                                             "here, then exit.")] = False,
 ) -> None:
@@ -142,6 +142,8 @@ def accuracy_cmd(
     Example: oasisbench accuracy --task aime24 --data-dir data/ --modes dense,oasiskv --sweep top_k_blocks=64,128
 
     Example: oasisbench accuracy --engine vllm --task niah_single_needle --modes dense,oasiskv --context-len 1024 --limit 2
+
+    Example: oasisbench accuracy --engine vllm --task aime24 --data-dir data/ --modes dense,oasiskv --limit 5
     """
     if list_only:
         list_tasks(data_dir)

@@ -95,7 +95,8 @@ class AccuracyConfig:
     output_dir: Path = Path("results")
     engine: str = "embedded"
     """Whose generations are scored: ``embedded`` (our engine) or ``vllm`` (plain vLLM for dense, vLLM with the
-    OasisKV plug-in for the sparse modes; one vLLM process per setting; NIAH tasks only)."""
+    OasisKV plug-in for the sparse modes; one vLLM process per generation batch; NIAH and generative lm-eval
+    tasks)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(T.expand_tasks(list(self.tasks))))
@@ -132,10 +133,6 @@ class AccuracyConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "vllm":
-            lm_tasks = [n for n in self.tasks if T.TASKS[n].kind != "niah"]
-            if lm_tasks:
-                raise ValueError(f"--engine vllm runs NIAH tasks only; lm-eval tasks ({', '.join(lm_tasks)}) run on "
-                                 "the embedded engine")
             for mode, setting in self.settings():
                 try:
                     _vllm_plan(self, mode, setting)
@@ -251,12 +248,19 @@ def _niah_context_lens(cfg: AccuracyConfig) -> tuple[int, ...]:
 
 
 def _vllm_plan(cfg: AccuracyConfig, mode: str, setting: dict[str, Any]) -> Any:
-    """The vLLM engine of one setting: a window of the longest prompt plus the longest generation."""
+    """The vLLM engine of one setting. Its window: NIAH's longest prompt plus the longest generation; with lm-eval
+    tasks the model's own window, as the embedded engine has (their prompts are fitted into it)."""
+    from oasiskv_runtime.models.loader import model_config_for
+
     from oasisbench.runners.accuracy_vllm import plan_setting
 
-    max_gen = cfg.max_gen_toks or max(T.TASKS[n].max_gen_toks for n in cfg.tasks)
-    return plan_setting(cfg.model, cfg.device, cfg.dtype, cfg.seed, mode, _engine_opts(cfg, setting, mode),
-                        max(_niah_context_lens(cfg)) + max_gen)
+    window = 0
+    niah = [n for n in cfg.tasks if T.TASKS[n].kind == "niah"]
+    if niah:
+        window = max(_niah_context_lens(cfg)) + (cfg.max_gen_toks or max(T.TASKS[n].max_gen_toks for n in niah))
+    if len(niah) < len(cfg.tasks):
+        window = max(window, model_config_for(cfg.model)[0].max_position_embeddings)
+    return plan_setting(cfg.model, cfg.device, cfg.dtype, cfg.seed, mode, _engine_opts(cfg, setting, mode), window)
 
 
 def _vllm_engine(cfg: AccuracyConfig, mode: str, setting: dict[str, Any], log_path: Path) -> Any:
@@ -300,7 +304,7 @@ def _run_lm_eval(cfg: AccuracyConfig, llm: Any, task_dir: Path, names: list[str]
     for group, budget in groups:
         if not group:
             continue
-        lm.max_length = min(budget, llm.engine.max_model_len) if budget else llm.engine.max_model_len
+        lm.max_length = min(budget, llm.max_model_len) if budget else llm.max_model_len
         by_lm_name = {T.TASKS[n].lm_eval_task: n for n in group}
         with quiet_git_hash():
             out = simple_evaluate(model=lm, tasks=list(by_lm_name), task_manager=manager, limit=cfg.limit,
@@ -427,7 +431,10 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
             llm = _vllm_engine(cfg, mode, setting, store.path / f"vllm-{i}.log")
             env["random_weights"] = llm.random_weights
             try:
-                runs.append(_run_niah(cfg, llm, niah_names))
+                if lm_names:
+                    runs.append(_run_lm_eval(cfg, llm, task_dir, lm_names))
+                if niah_names:
+                    runs.append(_run_niah(cfg, llm, niah_names))
             except VllmRunError as e:  # recorded; the next setting runs
                 engine_stats[name] = {"error": str(e)}
                 _write(cfg, store, env, outcome, engine_stats)

@@ -59,10 +59,27 @@ class VllmEngine:
         self.stats: dict[str, Any] = {}
         self.generate_seconds = 0.0
 
+    @property
+    def max_model_len(self) -> int:
+        return int(self.plan.llm_kwargs["max_model_len"])
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.stop_token_ids)
+
+    def model_info(self) -> dict[str, Any]:
+        """As the embedded ``LLM.model_info``: what ran (plain vLLM has no sparse settings)."""
+        plugin = self.plan.plugin or {}
+        return {"model": self.model, "engine": "vllm", "device": self.device, "mode": plugin.get("mode", "dense"),
+                "top_k_blocks": plugin.get("top_k_blocks"), "fetch_ratio": plugin.get("fetch_ratio"),
+                "draft": plugin.get("draft"), "random_weights": self.random_weights}
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
-        """Greedy or seeded-sampled generations of token-id prompts; text decoded as the embedded engine does."""
-        if any(p.stop for p in params):
-            raise ValueError("stop strings need vLLM's tokenizer, which this engine leaves out: use stop tokens")
+        """Greedy or seeded-sampled generations of token-id prompts; text decoded as the embedded engine does.
+
+        Stop strings: vLLM runs without a tokenizer here (the ids are ours), so it cannot see them; each output is
+        cut after generation where the embedded engine would have stopped (:func:`cut_at_stop`): the same tokens
+        and text, only the tokens past the stop cost time."""
         payload = {"model": self.model, "device": self.device, "llm": self._llm_kwargs(prompts, params),
                    "plugin": self.plan.plugin, "prompts": [list(map(int, p)) for p in prompts],
                    "params": [_vllm_params(p, self.stop_token_ids) for p in params]}
@@ -72,9 +89,14 @@ class VllmEngine:
             raise VllmRunError(result["error"])
         self.stats = dict(result["stats"], vllm_version=result.get("vllm_version"))
         self.generate_seconds += float(result["duration"])
-        return [RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=list(p), token_ids=o["token_ids"],
-                              text=self._decode(o["token_ids"]), finish_reason=o["finish_reason"])
-                for i, (p, o) in enumerate(zip(prompts, result["outputs"]))]
+        outs = []
+        for i, (p, q, o) in enumerate(zip(prompts, params, result["outputs"])):
+            ids, text, reason = o["token_ids"], None, o["finish_reason"]
+            if q.stop and self.tokenizer is not None:
+                ids, text, reason = cut_at_stop(self._decode, ids, q.stop, reason)
+            outs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=list(p), token_ids=ids,
+                                      text=self._decode(ids) if text is None else text, finish_reason=reason))
+        return outs
 
     def _llm_kwargs(self, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
         """vLLM's arguments; without ``--kv-cache-gb`` a KV cache that holds the whole batch (vLLM's own default on
@@ -101,6 +123,25 @@ class VllmEngine:
 
     def run_stats(self) -> dict[str, Any]:
         return dict(self.stats)
+
+
+def cut_at_stop(decode: Any, ids: list[int], stops: list[str], reason: str) -> tuple[list[int], str | None, str]:
+    """``ids`` up to the token whose text completes one of ``stops`` (the embedded engine's stop), the text before
+    that stop (the first of ``stops`` found, as the embedded engine cuts) and finish reason ``stop``; unchanged (text
+    None) when no stop occurs. A decoded prefix that holds a stop holds it in every longer prefix, so the shortest
+    one is found by bisection (a few decodes, not one per token)."""
+    if not any(s in decode(ids) for s in stops):
+        return ids, None, reason
+    lo, hi = 1, len(ids)  # the shortest prefix holding a stop is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    text = decode(ids[:lo])
+    stop = next(s for s in stops if s in text)
+    return ids[:lo], text[: text.index(stop)], "stop"
 
 
 def _vllm_params(p: SamplingParams, stop_token_ids: list[int]) -> dict[str, Any]:
