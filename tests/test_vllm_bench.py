@@ -119,9 +119,13 @@ def test_committed_vllm_suites_plan():
     paper = load_suite(SUITES / "paper-qwen3-8b-vllm.yaml")
     planned = plan_points(paper.expand(), check_device=False)  # a GPU suite, planned on any machine
     assert [series_label(pp.point) for pp in planned] == [
-        "vllm:dense", "vllm:dense+ngram", "vllm:oasiskv", "vllm:dense", "vllm:oasiskv", "oasiskv", "oasiskv"]
+        "vllm:dense", "vllm:dense+ngram", "vllm:oasiskv", "vllm:dense", "vllm:oasiskv", "oasiskv", "oasiskv",
+        "vllm:dense", "vllm:oasiskv"]
     assert planned[1].engine.plugin == {"mode": "dense", "draft": "ngram"}  # vLLM's speculation, none of ours
-    planned = [pp for pp in planned if not pp.point["speculate"]]
+    moe = [pp for pp in planned if pp.point["model"] == "qwen3-30b-a3b"]  # the MoE row: 16K, its own budgets
+    assert [(pp.point["context_len"], pp.engine.llm_kwargs["kv_cache_memory_bytes"] >> 30) for pp in moe] == [
+        (16384, 40), (16384, 22)]
+    planned = [pp for pp in planned if not pp.point["speculate"] and pp.point["model"] == "qwen3-8b"]
     tier = load_suite(SUITES / "paper-qwen3-8b-capacity-tier.yaml").expand()
     same = ("model", "output_len", "dtype", "max_num_batched_tokens", "top_k_blocks", "fetch_ratio")
     assert {tuple(p[k] for k in same) for p in tier} == {tuple(pp.point[k] for k in same) for pp in planned}
@@ -134,6 +138,14 @@ def test_committed_vllm_suites_plan():
     smoke = load_suite(SUITES / "ci-smoke-vllm.yaml")
     assert smoke.gate is not None and smoke.gate.is_file()
     assert [series_label(pp.point) for pp in plan_points(smoke.expand())] == ["vllm:dense", "vllm:oasiskv"]
+
+
+def test_a_vllm_only_preset_plans_on_vllm_and_is_refused_on_the_embedded_engine():
+    point = {**POINT, "model": "qwen3-30b-a3b", "engine": "vllm", "mode": "oasiskv"}
+    (pp,) = plan_points([point], check_device=False)
+    assert pp.engine.plugin["mode"] == "oasiskv"
+    with pytest.raises(ValueError, match="runs on vLLM only"):
+        plan_points([point, {**point, "engine": None}], check_device=False)
 
 
 def test_speculate_is_plain_vllm_with_a_draft_and_refused_elsewhere():

@@ -158,7 +158,15 @@ def plan_points(points: list[dict[str, Any]], check_device: bool = True) -> list
         if not torch.cuda.is_available():
             raise ValueError(f"point {cuda[0]} needs CUDA, and this machine has no CUDA device "
                              "(GPU suites run on the GPU machine; use --device cpu here)")
+    from oasiskv_runtime.vllm.models import VLLM_ONLY_PRESETS
+
     for model in sorted({pp.point["model"] for pp in planned}):
+        engines = {pp.point["engine"] for pp in planned if pp.point["model"] == model}
+        if model in VLLM_ONLY_PRESETS:  # shapes vLLM runs (MoE) and the embedded engine does not
+            if engines != {"vllm"}:
+                raise ValueError(f"model {model!r} runs on vLLM only (engine: vllm); the embedded engine has no "
+                                 "MoE layers")
+            continue
         try:
             resolve(model)  # name -> file, no weights loaded: a typo fails now, not an hour in
         except FileNotFoundError as e:
@@ -432,7 +440,9 @@ def run_planned(planned: list[PlannedPoint], store: RunStore, progress: Progress
         "points": [pp.point for pp in planned],
         "engines": {pp.pid: pp.engine.to_dict() for pp in planned},
     })
-    random_weights = any(pp.point["model"] in preset_names() for pp in planned)
+    from oasiskv_runtime.vllm.models import VLLM_ONLY_PRESETS
+
+    random_weights = any(pp.point["model"] in (*preset_names(), *VLLM_ONLY_PRESETS) for pp in planned)
     store.write_env(environment(planned, random_weights))
     done = {point_id(r["point"]) for r in store.records if not r["metrics"].get("error")}
     cache = _EngineCache()
