@@ -281,6 +281,7 @@ def test_report_pairs_a_mode_given_its_own_budget_and_names_speculation():
     plain = text.split("## vllm:oasiskv / vllm:dense\n")[1].split("##")[0]
     assert "1 GiB of device KV for vllm:dense, 0.5 GiB for vllm:oasiskv" in plain and "3.00x" in plain
     assert "emitted 2.00 tokens a step from accepted drafts, vllm:dense 1.00" in plain
+    assert "| accepted % |" in text and "| 100.00 |" in text  # a rate as a percentage, not a rounded 1
     spec_section = text.split("## vllm:oasiskv / vllm:dense+ngram")[1]
     assert "1.67x" in spec_section and "tokens a step" not in spec_section  # 30 / 18, both speculate
     # a second dense point at another budget: no unique partner, no made-up pair

@@ -33,7 +33,7 @@ REPORT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("max_admitted_batch", "admitted"),
     ("fetched_bytes_per_step", "fetch MiB/step"),
     ("prediction_recall", "recall"),
-    ("spec_decode_acceptance_rate", "accepted"),
+    ("spec_decode_acceptance_rate", "accepted %"),
     ("tokens_per_step", "tok/step"),
     ("peak_device_memory_bytes", "peak MiB"),
     # oasisbench pd
@@ -44,6 +44,7 @@ REPORT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("prefix_hit_tokens_per_request", "prefix hit tok/req"),
     ("duplicate_block_reads", "dup reads"),
 )
+_PERCENT_METRICS = {"spec_decode_acceptance_rate"}
 _MIB_METRICS = {"fetched_bytes_per_step", "peak_device_memory_bytes", "resident_gpu_bytes_per_request",
                 "admission_bytes_per_request", "decode_fetch_bytes_per_request", "decode_host_bytes_per_request"}
 
@@ -83,6 +84,8 @@ def _cell(record: Record | None, metric: str) -> str:
     number = metric_value(record, metric)
     if metric in _MIB_METRICS and number is not None:
         return fmt_number(number / 2**20)
+    if metric in _PERCENT_METRICS and number is not None:  # 0.9998 is not "1"
+        return f"{100 * number:.2f}"
     return fmt_number(record["metrics"].get(metric))
 
 
