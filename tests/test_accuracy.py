@@ -24,6 +24,7 @@ from oasisbench.accuracy.scoring import dense_loglikelihood, engine_loglikelihoo
 from oasisbench.cli.main import app  # noqa: E402
 from oasisbench.runners.accuracy import AccuracyConfig, _run_niah, run  # noqa: E402
 from oasiskv_runtime import LLM, SamplingParams  # noqa: E402
+from tests.tiny_data import write_aime24  # noqa: E402
 from tests.tiny_models import write_tiny, write_tiny_tokenizer  # noqa: E402
 
 runner = CliRunner()
@@ -47,11 +48,7 @@ def llm(tiny) -> LLM:
 @pytest.fixture(scope="module")
 def aime_dir(tmp_path_factory) -> Path:
     """Three problems in the original Maxwell-Jia/AIME_2024 schema."""
-    d = tmp_path_factory.mktemp("aime-data")
-    rows = [{"ID": f"2024-I-{i}", "Problem": f"Find {i} plus one.", "Solution": "...", "Answer": str(i + 1)}
-            for i in range(3)]
-    (d / "aime24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
+    return write_aime24(tmp_path_factory.mktemp("aime-data"), 3)
 
 
 def _request(context: str, **gen_kwargs) -> SimpleNamespace:

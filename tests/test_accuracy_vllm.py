@@ -20,6 +20,7 @@ from oasisbench.accuracy import tasks as T
 from oasisbench.accuracy.niah import encode_prompt
 from oasisbench.runners import accuracy_vllm, vllm_child
 from oasisbench.runners.accuracy import AccuracyConfig, _vllm_plan, label, render_report, run
+from tests.tiny_data import write_aime24
 from tests.tiny_models import write_tiny, write_tiny_tokenizer
 
 NIAH = ("niah_passkey",)
@@ -130,23 +131,14 @@ def test_vllm_run_sends_the_embedded_token_ids_and_writes_labelled_rows(tiny, tm
     assert response == tokenizer.decode(want[0][-3:], skip_special_tokens=True)
 
 
-def _aime_dir(tmp_path: Path) -> Path:
-    """Two problems in the original Maxwell-Jia/AIME_2024 schema."""
-    d = tmp_path / "aime"
-    d.mkdir()
-    rows = [{"ID": f"2024-I-{i}", "Problem": f"Find {i} plus one.", "Solution": "...", "Answer": str(i + 1)}
-            for i in range(2)]
-    (d / "aime24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
-
-
 def test_generative_lm_eval_tasks_run_on_vllm_in_the_models_window(tiny, tmp_path, monkeypatch):
     """aime24 through the vLLM engine: lm-eval's requests go to one vLLM child per setting, in the model's own window
     (as the embedded engine has), as the embedded path's token ids; rows labelled with the engine."""
     pytest.importorskip("lm_eval")
     child = FakeChild()
     monkeypatch.setattr(vllm_child, "run_child", child)
-    cfg = _cfg(tiny, tmp_path, tasks=("aime24",), data_dir=_aime_dir(tmp_path), max_gen_toks=5, context_lens=())
+    cfg = _cfg(tiny, tmp_path, tasks=("aime24",), data_dir=write_aime24(tmp_path / "aime", 2), max_gen_toks=5,
+               context_lens=())
     assert _vllm_plan(cfg, "oasiskv", {}).llm_kwargs["max_model_len"] == 1024  # the tiny model's window
     outcome = run(cfg, log=lambda _: None)
     dense, oasis = child.payloads
@@ -277,8 +269,8 @@ def test_aime_on_vllm_matches_the_embedded_engine_and_the_plugin_runs(tmp_path):
 
     if SMOLLM2.path() is None:
         pytest.skip(f"needs the SmolLM2 GGUF: {SMOLLM2.install} (and gguf)")
-    common = dict(tasks=("aime24",), model=SMOLLM2.name, data_dir=_aime_dir(tmp_path), limit=2, max_gen_toks=8,
-                  device="cpu", dtype="float32", max_num_seqs=2, kv_cache_gb=0.5, top_k_blocks=2)
+    common = dict(tasks=("aime24",), model=SMOLLM2.name, data_dir=write_aime24(tmp_path / "aime", 2), limit=2,
+                  max_gen_toks=8, device="cpu", dtype="float32", max_num_seqs=2, kv_cache_gb=0.5, top_k_blocks=2)
     # (vLLM wants one request of the model's whole window, 8,192 tokens = 0.35 GiB, to fit)
     on_vllm = run(AccuracyConfig(**common, modes=("dense", "oasiskv"), engine="vllm",
                                  output_dir=tmp_path / "vllm"), log=print)

@@ -187,10 +187,12 @@ def _paired(run: Run, numerator: str, denominator: str) -> list[tuple[Record, Re
     for r in run.records:
         if series_label(r["point"]) != numerator:
             continue
-        if key(r) in dens:
-            pairs.append((r, dens[key(r)]))
-        elif len(by_shape.get(key(r, budget=False), ())) == 1:
-            pairs.append((r, by_shape[key(r, budget=False)][0]))
+        partner = dens.get(key(r))
+        if partner is None:
+            same_shape = by_shape.get(key(r, budget=False), [])
+            partner = same_shape[0] if len(same_shape) == 1 else None
+        if partner is not None:
+            pairs.append((r, partner))
     return pairs
 
 
@@ -251,8 +253,8 @@ def reading_lines(run: Run, numerator: str = "oasiskv", denominator: str = "dens
                                                  if len({r['point']['context_len'] for r in recs}) > 1 else "")
     if batch_ratio is not None and batch_ratio <= 1.0 and numerator.startswith("vllm:"):
         capacity = (f"Capacity: at {where} {_cell(a, 'max_running_batch')} {numerator} and "
-                    f"{_cell(b, 'max_running_batch')} {denominator} requests ran at once: the plug-in admits by working "
-                    f"set, so its host pool's rows (host_pool_gb), max_num_seqs or scheduler_reserve_full_isl "
+                    f"{_cell(b, 'max_running_batch')} {denominator} requests ran at once: the plug-in admits by "
+                    f"working set, so its host pool's rows (host_pool_gb), max_num_seqs or scheduler_reserve_full_isl "
                     f"bounded it here, not the device budget.{failed}")
     elif batch_ratio is not None and batch_ratio > 1.0:
         capacity = (f"Capacity: at {where} the budget fit {_cell(b, 'max_running_batch')} {denominator} requests at "
