@@ -15,9 +15,11 @@
 #   embedded  our engine's dense and oasiskv on the bench's prompts (the within-engine agreement bar)
 #   bench     bench/vllm_decode.py over BENCH_MODES (decode step and agreement beside plain vLLM)
 #   suite     oasisbench run SUITE (default suites/throughput/paper-qwen3-8b-vllm.yaml) from the source tree, its run
-#             directory under /tmp/suite: a later call (machine still warm) resumes it, so a suite longer than one
-#             call's 10 minutes runs over several calls, each keeping the points it finished (SUITE_S per call);
-#             $OUT/suite.tgz holds the run directory (refreshed every 20 s while it runs)
+#             directory under /tmp/suite/SUITE_TAG (default all): a later call with the same tag (machine still warm)
+#             resumes it, so a suite longer than one call's 10 minutes runs over several calls, each keeping the
+#             points it finished (SUITE_S per call); SUITE_POINTS (e.g. 4-5) runs only those points (--points), and
+#             a run per call (its own SUITE_TAG) keeps each call's pair side by side in one run directory;
+#             $OUT/suite.tgz holds /tmp/suite (refreshed every 20 s while it runs)
 # Writes $OUT/<step>.log and <step>.json. BENCH_ARGS replaces the shared bench arguments.
 set -u
 OUT=${OUT:-/tmp/h200-vllm}
@@ -52,8 +54,9 @@ for step in ${STEPS:-tests bench}; do
     profile) decode profile "${PROFILE_S:-300}" --modes "${PROFILE_MODES:-sparse-resident,oasiskv}" --context 16384 \
                --profile --timeout 200 ;;
     embedded) decode embedded "${EMBEDDED_S:-240}" --modes embedded-dense,embedded-oasiskv --timeout 200 ;;
-    suite) run=$(ls -d /tmp/suite/*/* 2>/dev/null | head -1)
-           if [ -n "$run" ]; then where=(--resume "$run"); else where=(--output-dir /tmp/suite); fi
+    suite) base=/tmp/suite/${SUITE_TAG:-all}; run=$(ls -d "$base"/*/* 2>/dev/null | head -1)
+           if [ -n "$run" ]; then where=(--resume "$run"); else where=(--output-dir "$base"); fi
+           [ -n "${SUITE_POINTS:-}" ] && where+=(--points "$SUITE_POINTS")
            # The run directory goes back as one archive, refreshed every 20 s: a call that ends early (device time
            # spent, machine taken back) still returns the points finished (nested run folders do not come back).
            (while sleep 20; do tar -czf "$OUT/suite.tgz.part" -C /tmp suite && mv "$OUT/suite.tgz.part" "$OUT/suite.tgz"

@@ -104,6 +104,22 @@ def test_cli_engine_flag_and_dry_run(tmp_path):
     assert bad.exit_code == 2 and "unknown engine" in bad.output
 
 
+def test_run_points_selects_by_dry_run_number(tmp_path):
+    from oasisbench.cli.throughput import select_points
+
+    assert select_points("2,3,8-9", 10) == [2, 3, 8, 9] and select_points(" 4-5, 4 ,1", 5) == [1, 4, 5]
+    for bad in ("0", "11", "5-4", "x", "2-", ""):
+        with pytest.raises(ValueError):
+            select_points(bad, 10)
+    suite = SUITES / "paper-qwen3-8b-vllm.yaml"
+    r = runner.invoke(app, ["run", str(suite), "--points", "4-5", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert [line.split()[1:4] for line in r.output.splitlines() if line.startswith("point ")] == [
+        ["1/2", "vllm:dense", "ctx=32768"], ["2/2", "vllm:oasiskv", "ctx=32768"]]
+    bad = runner.invoke(app, ["run", str(suite), "--points", "12", "--output-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "outside the suite's points 1-10" in bad.output and not any(tmp_path.iterdir())
+
+
 def test_a_child_payload_larger_than_the_argument_limit_reaches_the_child():
     """An accuracy run's prompts (7 NIAH families x 10 samples x 2K tokens: ~1 MB of JSON) once went on the child's
     command line and failed with "Argument list too long": the payload goes through a file."""
@@ -119,9 +135,10 @@ def test_committed_vllm_suites_plan():
     paper = load_suite(SUITES / "paper-qwen3-8b-vllm.yaml")
     planned = plan_points(paper.expand(), check_device=False)  # a GPU suite, planned on any machine
     assert [series_label(pp.point) for pp in planned] == [
-        "vllm:dense", "vllm:dense+ngram", "vllm:oasiskv", "vllm:dense", "vllm:oasiskv", "oasiskv", "oasiskv",
-        "vllm:dense", "vllm:oasiskv"]
+        "vllm:dense", "vllm:dense+ngram", "vllm:oasiskv", "vllm:dense", "vllm:oasiskv", "vllm:dense+ngram", "oasiskv",
+        "oasiskv", "vllm:dense", "vllm:oasiskv"]
     assert planned[1].engine.plugin == {"mode": "dense", "draft": "ngram"}  # vLLM's speculation, none of ours
+    assert planned[5].engine.plugin == planned[1].engine.plugin and planned[5].point["context_len"] == 32768
     moe = [pp for pp in planned if pp.point["model"] == "qwen3-30b-a3b"]  # the MoE row: 16K, its own budgets
     assert [(pp.point["context_len"], pp.engine.llm_kwargs["kv_cache_memory_bytes"] >> 30) for pp in moe] == [
         (16384, 40), (16384, 22)]

@@ -45,6 +45,9 @@ VllmTimeoutOpt = Annotated[float, typer.Option(
 DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run", help="Plan the points (every config check, devices excepted: a GPU suite plans anywhere), print "
     "them and what each engine runs, and exit: nothing runs, no run directory.")]
+PointsOpt = Annotated[str | None, typer.Option(
+    "--points", help="Run only these points of the suite, by their number in --dry-run's list: e.g. 2,3,8-9 "
+    "(suite order kept; a resumed run takes the same selection).", show_default=False)]
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -334,12 +337,16 @@ def run_cmd(
     trace_steps: TraceOpt = None,
     vllm_timeout: VllmTimeoutOpt = DEFAULT_TIMEOUT_S,
     dry_run: DryRunOpt = False,
+    only: PointsOpt = None,
 ) -> None:
-    """Run a throughput suite file: every point of its grid, recorded under the suite's name.
+    """Run a throughput suite file: every point of its grid (or those --points names), recorded under the suite's
+    name.
 
     Example: oasisbench run suites/throughput/ci-smoke.yaml --output-dir results
 
     Example: oasisbench run suites/throughput/paper-qwen3-8b-vllm.yaml --dry-run
+
+    Example: oasisbench run suites/throughput/paper-qwen3-8b-vllm.yaml --points 4-5
     """
     from oasisbench.suites import SuiteError, load_suite
 
@@ -350,5 +357,27 @@ def run_cmd(
         raise fail(str(e)) from None
     if suite.kind != "throughput":
         raise fail(f"{suite_path}: kind {suite.kind!r} is not run here; `oasisbench run` runs throughput suites")
-    execute(ctx, suite.expand(), output_dir, suite.name, resume, suite.gate, window, vllm_timeout=vllm_timeout,
+    points = suite.expand()
+    if only is not None:
+        try:
+            points = [points[i - 1] for i in select_points(only, len(points))]
+        except ValueError as e:
+            raise fail(f"--points {only}: {e}") from None
+    execute(ctx, points, output_dir, suite.name, resume, suite.gate, window, vllm_timeout=vllm_timeout,
             dry_run=dry_run)
+
+
+def select_points(spec: str, n: int) -> list[int]:
+    """The 1-based point numbers ``spec`` names (``"2,3,8-9"``), ascending and each once; ``ValueError`` for a
+    malformed item or a number outside 1..``n``."""
+    chosen: set[int] = set()
+    for item in spec.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"{item.strip()!r} is not a point number or a range N-M") from None
+        if not 1 <= first <= last <= n:
+            raise ValueError(f"{item.strip()!r} is outside the suite's points 1-{n} (or a range that runs backwards)")
+        chosen.update(range(first, last + 1))
+    return sorted(chosen)
