@@ -285,6 +285,10 @@ class SparseConfig:
     fetch_on_demand_cap: bool = _opt(
         False, "fetch-on-demand: apply the fetch cap too (default: fetch every missing block, as retrieval does).",
         "true or false", lambda v: isinstance(v, bool))
+    accept_drafts: bool = _opt(
+        False, "oasiskv: when the model's token equals the draft, emit the draft row's token too (two tokens a step, "
+        "as vLLM's speculative decoding; outputs stay exact). The draft's KV is kept only when accepted. n-gram "
+        "drafts; no GPU figures yet.", "true or false", lambda v: isinstance(v, bool))
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -300,6 +304,17 @@ class SparseConfig:
         if self.selection_score in FULL_KEY_SCORES and mode is not Mode.SPARSE_RESIDENT:
             raise ValueError(f"selection_score={self.selection_score!r} needs mode sparse-resident (it reads every "
                              f"candidate key at every step, so the full KV must be on the device), not {mode.value}")
+
+    def check_accept(self, mode: Mode) -> None:
+        """``accept_drafts`` needs the draft row of oasiskv, every layer sparse (a dense layer does not attend the
+        draft row) and a draft that keeps no model state (an n-gram: its next proposal reads only the tokens)."""
+        if mode is not Mode.OASISKV:
+            raise ValueError(f"accept_drafts needs mode oasiskv (the mode with a draft row), not {mode.value}")
+        if self.dense_layers:
+            raise ValueError("accept_drafts does not run with dense_layers (a dense layer attends no draft row)")
+        if any(part.split(":")[0] != "ngram" for part in self.draft.split("+")):
+            raise ValueError(f"accept_drafts runs with n-gram drafts (draft=ngram[:N]), not {self.draft!r}: a head's "
+                             "next proposal would need the accepted draft's hidden states")
 
     @property
     def fetch_cap(self) -> int:
@@ -422,6 +437,8 @@ class EngineConfig:
 
             object.__setattr__(self, "sparse", dataclasses.replace(self.sparse,
                                                                    draft=resolve_draft("auto", self.model)))
+        if self.sparse.accept_drafts:
+            self.sparse.check_accept(self.mode)
 
     @staticmethod
     def options() -> dict[str, OptionSpec]:

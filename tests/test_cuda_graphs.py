@@ -289,3 +289,16 @@ def test_eagle3_draft_takes_the_graph_path(tiny, tmp_path, device):
         assert abs(st_g["draft_accuracy"] - st_e["draft_accuracy"]) <= 0.1
     _, st_mixed = staggered(tiny, "oasiskv", graphs, device=device, draft=draft)
     assert st_mixed["split_steps"] == 0 and st_mixed["draft_accuracy"] is not None
+
+
+@pytest.mark.gpu
+def test_accepted_drafts_replay_as_eager_cuda(tiny):
+    """``accept_drafts`` on captured graphs: the draft rows' K/V and logits are graph outputs, the gap block a graph
+    input; the tokens agree with eager steps (float32: rows arranged differently round differently)."""
+    kw = dict(draft="ngram", accept_drafts=True)
+    eager, st_e = run(tiny, "oasiskv", "off", device="cuda", **kw)
+    graphed, st = run(tiny, "oasiskv", "auto", device="cuda", **kw)
+    assert st["graph_replays"] > 0 and st["graphs_disabled"] is None
+    agree = sum(a == b for x, y in zip(graphed, eager) for a, b in zip(x, y))
+    assert agree >= 0.9 * sum(len(x) for x in eager)
+    assert st["spec_decode_acceptance_rate"] > 0 and st_e["spec_decode_acceptance_rate"] > 0

@@ -117,11 +117,12 @@ class PointMetrics(TypedDict, total=False):
     max_admitted_batch: int
     """Most requests admitted at once given the KV budget (capacity, not measured concurrency)."""
     spec_decode_acceptance_rate: float | None
-    """vLLM points with a draft: accepted / proposed draft tokens (vLLM's name; with one speculative token it is
-    ``draft_accuracy``, which the record also carries)."""
+    """vLLM points with a draft, and the embedded oasiskv with ``accept_drafts``: accepted / proposed draft tokens
+    (vLLM's name; on vLLM, with one speculative token, it is ``draft_accuracy``, which the record also carries; the
+    embedded engine accepts no draft that completes a block, so there it can be lower)."""
     tokens_per_step: float | None
-    """vLLM points with a draft: tokens per verify step and request (1 + accepted / drafts; the embedded engine
-    verifies no drafts: one token per step)."""
+    """Points that accept drafts (vLLM with a draft, the embedded oasiskv with ``accept_drafts``): tokens per step and
+    request (1 + accepted / drafts); None where every step emits one token."""
 
 
 #: Every metric name the schema documents, in display order.
@@ -162,11 +163,13 @@ class Run:
 def series_label(point: dict[str, Any]) -> str:
     """What tables, legends and ratios call a point's mode: the mode on the default engine, ``engine:mode`` on
     another (``vllm:dense`` is plain vLLM), so one run's embedded and vLLM points of a mode are two series; plain
-    vLLM speculating with a draft is ``vllm:dense+<draft>``."""
+    vLLM speculating with a draft is ``vllm:dense+<draft>``, the embedded oasiskv accepting drafts ``oasiskv+accept``."""
     engine = point.get("engine")
     mode = str(point["mode"])
     if point.get("speculate"):
         mode = f"{mode}+{point.get('draft')}"
+    if point.get("accept_drafts"):
+        mode = f"{mode}+accept"
     return mode if engine in (None, DEFAULT_ENGINE) else f"{engine}:{mode}"
 
 

@@ -53,6 +53,9 @@ class DecodeBatch:
     """The step stamped into selections (a 0-d device tensor on the static layout of CUDA graphs)."""
     separate_draft_rows: bool = False
     """Every request has its own draft row, used or not (the static layout)."""
+    gap_block: torch.Tensor | None = None
+    """[B] int64 (accepted drafts): the local device block holding the block before the active one where the last
+    prediction could not rank it (an accepted draft completed it), attended besides the working set; else -1."""
     _memo: dict = field(default_factory=dict, repr=False)
 
     def derived(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:

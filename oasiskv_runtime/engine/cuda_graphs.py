@@ -206,6 +206,8 @@ class _Graph:
     hidden: torch.Tensor
     captured: dict[int, torch.Tensor]
     """Layer outputs a draft reads (``runner.capture_layers``): graph outputs like ``hidden``."""
+    draft_kv: list
+    """The backend's per-layer K/V of the draft rows (``accept_drafts``): graph outputs like ``hidden``."""
 
 
 class DecodeGraphs:
@@ -233,6 +235,8 @@ class DecodeGraphs:
         self.num_split_steps = 0
         self.num_padded_rows = 0
         self.prepare_seconds = 0.0
+        self.last_hidden: torch.Tensor | None = None
+        """The last run's hidden states of every row of the static layout (draft rows included)."""
 
     def forget(self, seq_id: int) -> None:
         self.static.forget(seq_id)
@@ -333,6 +337,8 @@ class DecodeGraphs:
             entry.graph.replay()
             be.graph_replayed()
             hidden, captured = entry.hidden, entry.captured
+            if entry.draft_kv:  # what the replay computed for the draft rows, as an eager forward leaves it
+                be.draft_kv = list(entry.draft_kv)
             self.num_replays += 1
         else:
             hidden, captured = runner.model(meta.input_ids, meta.positions, be, runner.capture_layers)
@@ -343,12 +349,16 @@ class DecodeGraphs:
                 if self.sights[key] >= CAPTURE_SIGHTS:
                     self._capture(key, meta)
         be.end_step()
+        self.last_hidden = hidden
         return meta, hidden[:len(decode)], captured
 
     def _capture(self, key: tuple, meta: StepMetadata) -> None:
         runner, be = self.runner, self.runner.backend
         graph = torch.cuda.CUDAGraph()
         be.before_capture()
+        eager_kv = getattr(be, "draft_kv", None)  # this step's (the eager run's); a capture computes nothing
+        if eager_kv is not None:
+            be.draft_kv = []
         try:
             # The capture stream belongs to the current device: make it the engine's (e.g. cuda:1).
             with torch.cuda.device(runner.device), torch.cuda.graph(graph, pool=self.pool):
@@ -361,7 +371,9 @@ class DecodeGraphs:
             return
         finally:
             be.graph_replayed()
-        self.graphs[key] = _Graph(graph, hidden, captured)
+            if eager_kv is not None:
+                captured_kv, be.draft_kv = be.draft_kv, eager_kv
+        self.graphs[key] = _Graph(graph, hidden, captured, captured_kv if eager_kv is not None else [])
         self.num_captures += 1
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)

@@ -4,9 +4,10 @@ What a request holds depends on the mode (one manager, mode flags, no forks):
 
 - full KV on device (dense, sparse-resident): ``device_blocks[j]`` backs logical block j.
 - host-pool modes (fetch-on-demand, proxy-prefetch, oasiskv): ``host_blocks[j]`` backs logical block j in
-  host memory; the device holds a fixed working set ``ws_blocks``: ``ws_blocks[0]`` is the local (active)
-  block, ``ws_blocks[1:]`` are the ``top_k_blocks`` selection slots: the working set does not grow with
-  context length.
+  host memory; the device holds a fixed working set ``ws_blocks``: its first ``local_slots`` blocks are local
+  ones (the active block; with ``accept_drafts``, two used in turn by logical block parity, so a block an accepted
+  draft completed stays readable while the next fills), the rest the ``top_k_blocks`` selection slots: the working
+  set does not grow with context length.
 - every sparse mode: ``summary_blocks``: device blocks holding the per-block key min/max rows, one row per
   logical block, ``block_size`` rows per summary block (1/16 of the KV at block size 16).
 - host-pool modes with a device tier (``CacheConfig.device_tier``): once the host pool is full, a request's
@@ -47,14 +48,28 @@ class RequestBlocks:
     """Tokens the blocks held cover with nothing more to allocate (set by ``KVCacheManager.allocate``; 0: not
     known): a decode step's allocation is then a comparison, not a recount (it runs per request per step)."""
 
+    num_local: int = 1
+    """Local blocks at the head of ``ws_blocks`` (host-pool modes)."""
+
     @property
     def num_device_blocks(self) -> int:
         return len(self.device_blocks) + len(self.ws_blocks) + len(self.summary_blocks)
 
+    @property
+    def slot_blocks(self) -> list[int]:
+        """The working set's selection slots (host-pool modes)."""
+        return self.ws_blocks[self.num_local:]
+
+    def local_block(self, pos: int, block_size: int) -> int:
+        """The local device block that holds token ``pos``'s KV while its logical block is active."""
+        return self.ws_blocks[(pos // block_size) % self.num_local]
+
 
 class KVCacheManager:
     def __init__(self, mode: Mode, block_size: int, num_device_blocks: int, num_host_blocks: int,
-                 top_k_blocks: int, max_model_len: int, device_tier: bool = False) -> None:
+                 top_k_blocks: int, max_model_len: int, device_tier: bool = False, local_slots: int = 1) -> None:
+        """``local_slots``: local blocks per working set (2 with ``accept_drafts``, see the module docstring)."""
+        self.local_slots = local_slots
         self.mode = mode
         self.block_size = block_size
         self.top_k_blocks = top_k_blocks
@@ -110,7 +125,7 @@ class KVCacheManager:
         host = 0
         if self.mode.uses_host_pool:
             host = nb
-            device += self.num_ws_slots(self.max_len(seq)) + 1
+            device += self.num_ws_slots(self.max_len(seq)) + self.local_slots
         else:
             device += nb
         return device, host
@@ -208,8 +223,8 @@ class KVCacheManager:
         if self.mode.uses_host_pool:
             self._take_primary(rb, need_host)
             if not rb.ws_blocks:
-                n_ws = self.num_ws_slots(self.max_len(seq)) + 1
-                rb.ws_blocks = self.device_pool.allocate(n_ws)
+                n_ws = self.num_ws_slots(self.max_len(seq)) + self.local_slots
+                rb.ws_blocks, rb.num_local = self.device_pool.allocate(n_ws), self.local_slots
                 need_device -= n_ws
         if self.mode.is_sparse:
             n_sum = cdiv(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size), self.block_size)

@@ -48,6 +48,8 @@ class EngineStats:
     """Most device blocks each finished request held (working set + summaries in sparse modes)."""
     num_draft_checked: int = 0
     num_draft_correct: int = 0
+    num_draft_accepted: int = 0
+    """Drafts emitted as a second token of their step (``accept_drafts``)."""
     prefill_step_seconds: float = 0.0
     """Wall time of steps that compute a prefill chunk (alone or with decode tokens)."""
     decode_step_seconds: float = 0.0
@@ -92,7 +94,8 @@ class LLMEngine:
         num_host_blocks = host_bytes // self.block_bytes if config.mode.uses_host_pool else 0
         self.max_model_len = mc.max_position_embeddings
         self.kv = KVCacheManager(config.mode, bs, num_device_blocks, num_host_blocks,
-                                 config.sparse.top_k_blocks, self.max_model_len, config.cache.device_tier)
+                                 config.sparse.top_k_blocks, self.max_model_len, config.cache.device_tier,
+                                 local_slots=2 if config.sparse.accept_drafts else 1)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend = self._make_backend(num_device_blocks, num_host_blocks)
         self.runner = ModelRunner(self.model, config, self.kv, self.backend)
@@ -291,6 +294,7 @@ class LLMEngine:
         self.stats.peak_tier_blocks = max(self.stats.peak_tier_blocks, self.kv.tier_blocks_used)
         finished = []
         held = self._held_blocks
+        bonus = self.runner.last_bonus
         for s in sched.scheduled:
             seq = s.seq
             held[seq.seq_id] = max(held.get(seq.seq_id, 0), self.kv.device_blocks_held(seq))
@@ -305,11 +309,12 @@ class LLMEngine:
                 seq.num_draft_correct += int(drafts[seq.seq_id] == token)
                 self.stats.num_draft_checked += 1
                 self.stats.num_draft_correct += int(drafts[seq.seq_id] == token)
-            seq.output_token_ids.append(token)
-            if seq.times.first_token is None:
-                seq.times.first_token = now
-            seq.times.token_times.append(now)
-            reason = self._stop_reason(seq, token)
+            reason = self._emit(seq, token, now)
+            second = bonus.get(seq.seq_id)
+            if reason is None and second is not None:  # the draft was the token: its KV is kept, the next follows
+                seq.num_computed_tokens += 1
+                self.stats.num_draft_accepted += 1
+                reason = self._emit(seq, second, now)
             if reason is not None:
                 self._finish(seq, reason, now)
                 finished.append(seq)
@@ -319,6 +324,14 @@ class LLMEngine:
         else:
             self.stats.prefill_host_seconds += host
         return finished
+
+    def _emit(self, seq: Sequence, token: int, now: float) -> str | None:
+        """Append an output token; returns why the request stops there (None: it goes on)."""
+        seq.output_token_ids.append(token)
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        seq.times.token_times.append(now)
+        return self._stop_reason(seq, token)
 
     def _release(self, seq_id: int) -> None:
         """Drop per-request state outside the KV manager (sparse maps, draft caches)."""
@@ -379,6 +392,10 @@ class LLMEngine:
             "peak_device_tier_bytes": st.peak_tier_blocks * self.block_bytes,
             "resident_gpu_bytes_per_request": (sum(per_req) / len(per_req) * self.block_bytes) if per_req else None,
             "draft_accuracy": (st.num_draft_correct / st.num_draft_checked) if st.num_draft_checked else None,
+            "spec_decode_acceptance_rate": (st.num_draft_accepted / st.num_draft_checked
+                                            if st.num_draft_checked and self.config.sparse.accept_drafts else None),
+            "tokens_per_step": (1 + st.num_draft_accepted / st.num_draft_checked
+                                if st.num_draft_checked and self.config.sparse.accept_drafts else None),
             "fetched_blocks_per_step": 0.0,
             "fetched_bytes_per_step": 0.0,
             "deferred_blocks_per_step": 0.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from oasiskv_runtime.core.batch import SummaryWrites, summary_row
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
@@ -39,6 +40,9 @@ class ModelRunner:
 
             self.sparse_inputs = SparseStepBuilder(config.mode, kv, backend.head_map, self.device,
                                                    device_step=backend.background)
+        self.last_bonus: dict[int, int] = {}
+        """With ``accept_drafts``: the second token of each request whose draft the last step accepted (the draft
+        itself is that request's sampled token)."""
         self.graphs = None
         """Decode-only steps on the static layout, replayed from CUDA graphs on CUDA (engine/cuda_graphs.py)."""
         setting = config.kernels.cuda_graphs
@@ -104,6 +108,7 @@ class ModelRunner:
         With CUDA graphs (``graphs``) the step's decode requests run on the static layout (replayed when
         captured) and any prefill chunks of the same step run eagerly after them."""
         drafts = drafts or {}
+        self.last_bonus = {}
         new_step = getattr(self.backend, "new_step", None)
         if new_step is not None:  # e.g. the sparse modes' per-step fetch cap, baked into the graph key below
             new_step(sched)
@@ -115,6 +120,8 @@ class ModelRunner:
         kernels = self.config.kernels
         # graphs capture this setting too
         self.model.use_fused_kernels(kernels.fused_norm_rope and kernels.backend != "ref")
+        accept = self.config.sparse.accept_drafts
+        pending: list[tuple[list, torch.Tensor]] = []  # accepted-draft candidates and their draft rows' logits
         part = self.graphs.plan(sched) if self.graphs is not None else None
         if part is not None:
             decode, key = part
@@ -122,11 +129,13 @@ class ModelRunner:
             self.last_captured, self.last_meta = captured, meta
             # the logits now: a new tensor, so the next replay may overwrite the static output
             parts.append(([s.seq for s in decode], self.model.compute_logits(hidden)))
+            if accept:
+                pending += self._draft_logits(SchedulerOutput(scheduled=decode), meta, self.graphs.last_hidden, drafts)
             taken = {id(s) for s in decode}
             rest = [s for s in sched.scheduled if id(s) not in taken]
             if not rest:
                 self.step_index += 1
-                return self._sample(parts)
+                return self._sample_and_accept(parts, pending, drafts)
             sched = SchedulerOutput(scheduled=rest)
             self.graphs.num_split_steps += 1
         meta = self.build_metadata(sched, drafts)
@@ -138,7 +147,78 @@ class ModelRunner:
         completing = [s.seq for s in sched.scheduled if s.completes]
         if completing:
             parts.append((completing, self.model.compute_logits(hidden.index_select(0, meta.logits_indices))))
-        return self._sample(parts)
+        if accept:
+            pending += self._draft_logits(sched, meta, hidden, drafts)
+        return self._sample_and_accept(parts, pending, drafts)
+
+    def _draft_logits(self, sched: SchedulerOutput, meta: StepMetadata, hidden: torch.Tensor,
+                      drafts: dict[int, int]) -> list[tuple[list, torch.Tensor]]:
+        """``[(candidates, their draft rows' logits)]`` of a step part (:meth:`_draft_candidates`), or ``[]``."""
+        candidates = self._draft_candidates(sched, meta, drafts)
+        if not candidates:
+            return []
+        rows = host_list_to([c[2].draft_row for c in candidates], torch.long, self.device)
+        return [(candidates, self.model.compute_logits(hidden.index_select(0, rows)))]
+
+    def _sample_and_accept(self, parts: list, pending: list, drafts: dict[int, int]) -> dict[int, int]:
+        out = self._sample(parts)
+        for candidates, draft_logits in pending:
+            self._accept(candidates, draft_logits, out, drafts)
+        return out
+
+    def _draft_candidates(self, sched: SchedulerOutput, meta: StepMetadata,
+                          drafts: dict[int, int]) -> list[tuple[int, Sequence, object]]:
+        """(index in the decode batch, request, its slice) of each request whose draft could be accepted this step:
+        it decodes over its working set with a draft row, has no forced outputs left, and its blocks can hold the
+        draft's KV. A draft that completes a block may be accepted: the block stays in its local slot (two, used in
+        turn) and the next step attends it there (``DecodeBatch.gap_block``), since this step's prediction could
+        not rank it."""
+        b = meta.sparse.decode if meta.sparse is not None else None
+        if b is None:
+            return []
+        seqs = {s.seq.seq_id: s for s in sched.scheduled}
+        slices = {s.seq_id: s for s in meta.seqs}
+        out = []
+        for i, seq_id in enumerate(b.seq_ids):
+            sl, sc = slices[seq_id], seqs[seq_id]
+            seq = sc.seq
+            if sl.draft_row is None or seq_id not in drafts:
+                continue
+            if seq.forced_output_ids is not None and len(seq.output_token_ids) < len(seq.forced_output_ids):
+                continue
+            if not self.kv.allocate(seq, sc.num_tokens + 1):  # room for the draft's KV at position context_len
+                continue
+            out.append((i, seq, sl))
+        return out
+
+    def _accept(self, candidates: list, draft_logits: torch.Tensor, sampled: dict[int, int],
+                drafts: dict[int, int]) -> None:
+        """Where the sampled token equals the draft (an exact test: the draft is one fixed token, so accepting it
+        exactly when the model samples it keeps the output distribution), sample the draft row's token as the
+        second token of the step (``last_bonus``) and keep the draft's KV in the backend."""
+        take = [j for j, (_, seq, _) in enumerate(candidates) if sampled.get(seq.seq_id) == drafts[seq.seq_id]]
+        if not take:
+            return
+        bs, dev = self.block_size, self.device
+        chosen = [candidates[j] for j in take]
+        seqs = [seq for _, seq, _ in chosen]
+        logits = draft_logits.index_select(0, host_list_to(take, torch.long, dev))
+        bonus = sample(logits, [q.params for q in seqs], [len(q.output_token_ids) + 1 for q in seqs], self.generator)
+        self.last_bonus = {q.seq_id: t for q, t in zip(seqs, bonus)}
+        slots, local, rows, reset = [], [], [], []
+        for _, seq, sl in chosen:
+            e = sl.context_len  # the draft's position
+            rb = self.kv.blocks(seq)
+            slots.append(self.primary_table(seq)[e // bs] * bs + e % bs)
+            if self.config.mode.uses_host_pool:
+                local.append(rb.local_block(e, bs) * bs + e % bs)
+            rows.append(summary_row(rb.summary_blocks, e // bs, bs))
+            reset.append(e % bs == 0)
+        self.backend.commit_drafts(host_list_to([i for i, _, _ in chosen], torch.long, dev),
+                                   host_list_to(slots, torch.long, dev),
+                                   host_list_to(local, torch.long, dev) if local else None,
+                                   SummaryWrites(rows=host_list_to(rows, torch.long, dev),
+                                                 reset=host_list_to(reset, torch.bool, dev)))
 
     def _sample(self, parts: list[tuple[list[Sequence], torch.Tensor]]) -> dict[int, int]:
         """Tokens for the requests of each (requests, logits rows in the same order) part."""

@@ -49,6 +49,9 @@ def check_pd_config(config: EngineConfig) -> None:
                          f"prefill-decode supports the token-state drafts {', '.join(TOKEN_STATE_DRAFTS)}")
     if config.sparse.dense_layers and mode.is_sparse:
         raise ValueError("dense_layers read every block of the context: not supported with prefill-decode")
+    if config.sparse.accept_drafts:
+        raise ValueError("accept_drafts is not supported with prefill-decode yet (a handed-off working set has one "
+                         "local block)")
     if config.pd.transfer == "rpf" and not mode.uses_host_pool:
         raise ValueError(f"remote partial fetching needs a sparse host-pool decode mode, not {mode.value}: "
                          f"use --transfer full for dense decode")

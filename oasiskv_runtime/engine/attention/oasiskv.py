@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from oasiskv_runtime.config import EngineConfig, Mode
-from oasiskv_runtime.core.batch import DecodeBatch, summary_rows
+from oasiskv_runtime.core.batch import DecodeBatch, SummaryWrites, summary_rows
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.link_cap import LinkCap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
@@ -68,6 +68,9 @@ class OasisKVAttention:
         self.step_cap = self.sparse.fetch_cap
         """This step's admission cap per (request, KV head) for the prefetch (:meth:`new_step`)."""
         self.step: SparseStep | None = None
+        self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """With ``accept_drafts``: each layer's K/V of the decode batch's draft rows this step ([B, Hkv, D] each),
+        kept until the step's tokens are sampled (:meth:`commit_drafts`)."""
 
     @property
     def summaries(self) -> KeySummaries:
@@ -87,6 +90,8 @@ class OasisKVAttention:
             new = dataclasses.replace(getattr(self, section), **{key: value})
             if section == "sparse":
                 new.check_mode(self.mode)
+                if new.accept_drafts:
+                    new.check_accept(self.mode)
             setattr(self, section, new)
         self.predictor.sink_blocks, self.predictor.recent_blocks = self.sparse.sink_blocks, self.sparse.recent_blocks
         self.predictor.selection_score = self.sparse.selection_score
@@ -129,8 +134,9 @@ class OasisKVAttention:
             raise ValueError("dense_layers read every block of the context: not supported for a request "
                              "prefilled by a peer")
         long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        self.pipeline.install(seq_id, state, rows, long(blocks.host_blocks), long(blocks.ws_blocks[1:]), step)
-        tail = [(SeqSlice(seq_id, 0, 0, context_len, blocks.host_blocks), blocks.ws_blocks[0])]
+        self.pipeline.install(seq_id, state, rows, long(blocks.host_blocks), long(blocks.slot_blocks), step)
+        tail = [(SeqSlice(seq_id, 0, 0, context_len, blocks.host_blocks),
+                 blocks.local_block(context_len - 1, self.dev_cache.block_size))]
         for layer in range(self.num_layers):  # the partial last block into the local block
             self.context.copy_tails(layer, tail, device_path=False)
         if self.device.type == "cuda":
@@ -154,6 +160,8 @@ class OasisKVAttention:
             self.pipeline.transfer.wait_all()
         self.meta, step = meta, meta.sparse
         self.step, self.context.memo = step, {}
+        if step.decode is not None:  # (a split step's prefill part keeps its decode part's, still to be committed)
+            self.draft_kv = []
         for rows, mins, maxs in step.summary_imports:
             self.summaries.write(rows, mins, maxs)
         self.stats.begin_step(len(step.decode_slices))
@@ -196,6 +204,8 @@ class OasisKVAttention:
             self.context.attend(layer, s, q, k, v, out, device_path)
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
+            if self.sparse.accept_drafts:
+                self.draft_kv.append((k[b.draft_rows], v[b.draft_rows]))
         if b is not None and self.mode.prefetches:
             self.pipeline.prefetch(layer, b, q[b.pred_rows()], self.step_cap)
         if step.fill is not None:
@@ -220,6 +230,9 @@ class OasisKVAttention:
             elif self.debug.measure_recall:
                 self.pipeline.record_recall(layer, b, q_norm)
             block_ids = self.head_map.block_ids(layer, b)
+        if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
+            gap = b.derived("gap_i32", lambda: b.gap_block.int()[:, None, None].expand(-1, block_ids.shape[1], 1))
+            block_ids = torch.cat([block_ids.int(), gap], dim=2)
         res = sparse_decode_attention(qs, self.dev_cache.k[layer], self.dev_cache.v[layer], block_ids.int(),
                                       b.derived("local_block_i32", lambda: b.local_block.int()),
                                       b.derived("local_len_i32", lambda: b.local_len.int()), self.scale,
@@ -231,6 +244,23 @@ class OasisKVAttention:
         # Requests without a draft have draft_rows == q_rows: write their normal output again rather than
         # boolean-index (which would synchronise with the host).
         out[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0])
+
+    def commit_drafts(self, index: torch.Tensor, slots: torch.Tensor, local_rows: torch.Tensor | None,
+                      writes: SummaryWrites) -> None:
+        """Keep the KV of accepted drafts (``accept_drafts``), after the step that computed them: ``index`` [n]
+        picks them in the step's decode batch; each goes, in every layer, to its full-KV slot (``slots``: pool rows
+        in host-pool modes, else device slots), in host-pool modes to its row of the local block, and into its
+        block's key summary. A rejected draft's KV is never written, so nothing of it stays in a summary."""
+        for layer, (kd, vd) in enumerate(self.draft_kv):
+            kd, vd = kd.index_select(0, index), vd.index_select(0, index)
+            if self.pool is not None:
+                self.pool.write_rows(layer, kd, vd, slots)
+            else:
+                self.dev_cache.write(layer, slots, kd, vd)
+            if local_rows is not None:
+                self.dev_cache.write(layer, local_rows, kd, vd)
+            self.summaries.update(layer, kd, writes)
+        self.draft_kv = []
 
     def end_step(self) -> None:
         step = self.step
@@ -268,7 +298,8 @@ class OasisKVAttention:
         k = self.kernels
         sp = self.sparse
         return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
-                sp.selection_score, k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
+                sp.selection_score, sp.accept_drafts, k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel,
+                k.pipeline_priority)
 
     def graph_join(self) -> None:
         """Make the current stream wait for the background streams (a captured step must end joined)."""

@@ -49,12 +49,17 @@ class SparseStepBuilder:
         self.mode, self.kv, self.map, self.device = mode, kv, head_map, device
         self.bs = kv.block_size
         self.device_step = device_step
+        self.bound: dict[int, int] = {}
+        """Per request, the candidate count its last prediction ranked (the next step's ``gap_block`` test)."""
+        self.gap_rows = 0
+        """Decode rows that attended a gap block (tests read it)."""
         self.pending_prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """Prefix-cache hits: key summaries ``[L, n, Hkv, D]`` of a request's shared first blocks, written at its first
         step (its summary blocks exist from then on)."""
 
     def forget(self, seq_id: int) -> None:
         self.pending_prefix.pop(seq_id, None)
+        self.bound.pop(seq_id, None)
 
     def _summary_imports(self, seqs: list[SeqSlice]) -> list:
         out = []
@@ -77,7 +82,8 @@ class SparseStepBuilder:
                           writes=self.summary_writes(meta.seqs, runs=not distinct),
                           decode=self.decode_batch(decode, meta.step) if decode else None,
                           prefill=prefill, fill=self.fill_batch(done, meta.step) if done else None,
-                          fill_tails=[(s, self.kv.requests[s.seq_id].ws_blocks[0]) for s in done],
+                          fill_tails=[(s, self.kv.requests[s.seq_id].local_block(s.context_len - 1, self.bs))
+                                      for s in done],
                           decode_slices=decode, summary_imports=self._summary_imports(meta.seqs))
 
     def summary_writes(self, seqs: list[SeqSlice], runs: bool) -> SummaryWrites:
@@ -128,8 +134,9 @@ class SparseStepBuilder:
             out["num_candidates"].append(p // bs)
             out["next_candidates"].append(ctx // bs)
             if host:
-                out["local_block"].append(rb.ws_blocks[0])
-                out["local_rows"].append(rb.ws_blocks[0] * bs + p % bs)
+                local = rb.local_block(p, bs)
+                out["local_block"].append(local)
+                out["local_rows"].append(local * bs + p % bs)
             else:
                 out["local_block"].append(rb.device_blocks[p // bs])
         return out
@@ -138,10 +145,25 @@ class SparseStepBuilder:
         width = max(1, max((len(r) for r in rows), default=1))
         return host_list_to([r + [0] * (width - len(r)) for r in rows], dtype, self.device)
 
+    def gap_blocks(self, seq_ids: list[int], vec: dict[str, list[int]]) -> list[int] | None:
+        """Per request, the local block of the block before the active one where this step has more candidates
+        than its last prediction ranked (only after an accepted draft completed a block: two local slots), else
+        -1; None when no request has one. Records this step's bounds."""
+        gaps = []
+        for seq_id, nc, nxt in zip(seq_ids, vec["num_candidates"], vec["next_candidates"]):
+            rb = self.kv.requests[seq_id]
+            bound = self.bound.get(seq_id, nc)
+            gaps.append(rb.local_block((nc - 1) * self.bs, self.bs) if nc > bound and rb.num_local > 1 else -1)
+            self.bound[seq_id] = nxt
+        n = sum(g >= 0 for g in gaps)
+        self.gap_rows += n
+        return gaps if n else None
+
     def decode_batch(self, decode: list[SeqSlice], step: int) -> DecodeBatch:
         host = self.mode.uses_host_pool
         vec = self.decode_vectors([s.seq_id for s in decode], [s.context_len for s in decode])
         t = lambda xs, dt=torch.long: host_list_to(xs, dt, self.device)  # noqa: E731
+        gaps = self.gap_blocks([s.seq_id for s in decode], vec) if host and self.kv.local_slots > 1 else None
         return DecodeBatch(
             seq_ids=[s.seq_id for s in decode],
             state_rows=t(vec["state_rows"]),
@@ -154,11 +176,12 @@ class SparseStepBuilder:
             next_candidates=t(vec["next_candidates"], torch.int32),
             summary_table=self._padded([self.kv.requests[s.seq_id].summary_blocks for s in decode], torch.int32),
             primary_table=self._padded([s.block_table for s in decode], torch.long),
-            slot_blocks=t([self.kv.requests[s.seq_id].ws_blocks[1:] for s in decode]) if host else None,
+            slot_blocks=t([self.kv.requests[s.seq_id].slot_blocks for s in decode]) if host else None,
             local_rows=t(vec["local_rows"]) if host else None,
             max_candidates=max(vec["num_candidates"]),
             max_next_candidates=max(vec["next_candidates"]),
             step=step,
+            gap_block=t(gaps) if gaps is not None else None,
         )
 
     def fill_batch(self, done: list[SeqSlice], step: int) -> DecodeBatch:
@@ -166,16 +189,19 @@ class SparseStepBuilder:
         decode step's blocks are predicted from the last computed row, or the draft row in draft modes)."""
         long = lambda xs: host_list_to(xs, torch.long, self.device)  # noqa: E731
         rows = long([self.map.row(s.seq_id) for s in done])
+        self.bound.update((s.seq_id, s.context_len // self.bs) for s in done)
         qi = long([s.draft_row if (s.draft_row is not None and self.mode.uses_draft)
                    else s.query_start + s.num_query - 1 for s in done])
-        ws = [self.kv.requests[s.seq_id].ws_blocks for s in done]
+        blocks = [self.kv.requests[s.seq_id] for s in done]
         n_cand = long([s.context_len // self.bs for s in done])
         return DecodeBatch(
             seq_ids=[s.seq_id for s in done], state_rows=rows, q_rows=qi, draft_rows=qi,
-            has_draft=torch.zeros_like(rows, dtype=torch.bool), local_block=long([w[0] for w in ws]),
+            has_draft=torch.zeros_like(rows, dtype=torch.bool),
+            local_block=long([rb.local_block(s.context_len - 1, self.bs) for rb, s in zip(blocks, done)]),
             local_len=rows, num_candidates=n_cand, next_candidates=n_cand,
             summary_table=self._padded([self.kv.requests[s.seq_id].summary_blocks for s in done], torch.long),
-            primary_table=self._padded([s.block_table for s in done], torch.long), slot_blocks=long([w[1:] for w in ws]),
+            primary_table=self._padded([s.block_table for s in done], torch.long),
+            slot_blocks=long([rb.slot_blocks for rb in blocks]),
             max_next_candidates=max(s.context_len // self.bs for s in done), step=step)
 
     # ---- the static layout of decode-only steps (engine/cuda_graphs.py) -----------------------------------------
@@ -195,8 +221,12 @@ class SparseStepBuilder:
             primary.set(row, seq.seq_id, table)
             summary.set(row, seq.seq_id, rb.summary_blocks)
             if host:
-                slot_table.set(row, seq.seq_id, rb.ws_blocks[1:])
-        fields.update(self.decode_vectors([seq.seq_id for seq in seqs], ctxs))
+                slot_table.set(row, seq.seq_id, rb.slot_blocks)
+        vec = self.decode_vectors([seq.seq_id for seq in seqs], ctxs)
+        fields.update(vec)
+        if host and self.kv.local_slots > 1:  # a gap column in every step, so the shapes a graph bakes in stay put
+            gaps = self.gap_blocks([seq.seq_id for seq in seqs], vec)
+            fields["gap_block"] = gaps if gaps is not None else [-1] * len(seqs)
         fields.update(sum_rows=sum_rows, reset=reset, has_draft=[int(d) for d in has_draft])
         # int32 candidate counts: the score and ranking kernels' dtype (converted once per step, not per layer)
         return {"reset": torch.bool, "has_draft": torch.bool, "num_candidates": torch.int32,
@@ -211,7 +241,8 @@ class SparseStepBuilder:
             local_len=v["local_len"], num_candidates=v["num_candidates"], next_candidates=v["next_candidates"],
             summary_table=t["summary"], primary_table=t["primary"], slot_blocks=t.get("slots"),
             local_rows=v.get("local_rows"), max_candidates=st.block_bucket, max_next_candidates=st.block_bucket,
-            step=v["step"][0] if self.device_step else meta.step, separate_draft_rows=self.mode.uses_draft)
+            step=v["step"][0] if self.device_step else meta.step, separate_draft_rows=self.mode.uses_draft,
+            gap_block=v.get("gap_block"))
         return SparseStep(written=st.q_rows, writes=SummaryWrites(rows=v["sum_rows"], reset=v["reset"]),
                           decode=batch, decode_slices=list(meta.seqs), static=True,
                           summary_imports=self._summary_imports(meta.seqs))
