@@ -204,7 +204,7 @@ class ModelRunner:
         seqs = [seq for _, seq, _ in chosen]
         logits = draft_logits.index_select(0, host_list_to(take, torch.long, dev))
         bonus = sample(logits, [q.params for q in seqs], [len(q.output_token_ids) + 1 for q in seqs], self.generator)
-        self.last_bonus = {q.seq_id: t for q, t in zip(seqs, bonus)}
+        self.last_bonus.update((q.seq_id, t) for q, t in zip(seqs, bonus))
         slots, local, rows, reset = [], [], [], []
         for _, seq, sl in chosen:
             e = sl.context_len  # the draft's position
