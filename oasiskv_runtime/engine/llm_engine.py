@@ -383,6 +383,8 @@ class LLMEngine:
         """Run-level counters for reports (stable names; see oasisbench.results.schema)."""
         st = self.stats
         per_req = st.request_device_blocks
+        accepted = (st.num_draft_accepted / st.num_draft_checked
+                    if st.num_draft_checked and self.config.sparse.accept_drafts else None)
         out: dict[str, Any] = {
             "num_steps": st.num_steps,
             "max_running_batch": st.max_running_batch,
@@ -392,10 +394,8 @@ class LLMEngine:
             "peak_device_tier_bytes": st.peak_tier_blocks * self.block_bytes,
             "resident_gpu_bytes_per_request": (sum(per_req) / len(per_req) * self.block_bytes) if per_req else None,
             "draft_accuracy": (st.num_draft_correct / st.num_draft_checked) if st.num_draft_checked else None,
-            "spec_decode_acceptance_rate": (st.num_draft_accepted / st.num_draft_checked
-                                            if st.num_draft_checked and self.config.sparse.accept_drafts else None),
-            "tokens_per_step": (1 + st.num_draft_accepted / st.num_draft_checked
-                                if st.num_draft_checked and self.config.sparse.accept_drafts else None),
+            "spec_decode_acceptance_rate": accepted,
+            "tokens_per_step": 1 + accepted if accepted is not None else None,
             "fetched_blocks_per_step": 0.0,
             "fetched_bytes_per_step": 0.0,
             "deferred_blocks_per_step": 0.0,

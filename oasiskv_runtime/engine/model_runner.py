@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv_runtime.core.batch import SummaryWrites, summary_row
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
@@ -205,20 +204,16 @@ class ModelRunner:
         logits = draft_logits.index_select(0, host_list_to(take, torch.long, dev))
         bonus = sample(logits, [q.params for q in seqs], [len(q.output_token_ids) + 1 for q in seqs], self.generator)
         self.last_bonus.update((q.seq_id, t) for q, t in zip(seqs, bonus))
-        slots, local, rows, reset = [], [], [], []
-        for _, seq, sl in chosen:
-            e = sl.context_len  # the draft's position
-            rb = self.kv.blocks(seq)
-            slots.append(self.primary_table(seq)[e // bs] * bs + e % bs)
-            if self.config.mode.uses_host_pool:
-                local.append(rb.local_block(e, bs) * bs + e % bs)
-            rows.append(summary_row(rb.summary_blocks, e // bs, bs))
-            reset.append(e % bs == 0)
+        # Each draft written as a decode step writes its token (one row at the draft's position e), laid out by the
+        # step builder: its local-block row and its summary row.
+        pos = [sl.context_len for _, _, sl in chosen]
+        drafted = [SeqSlice(seq.seq_id, 0, 1, e + 1, self.primary_table(seq)) for (_, seq, _), e in zip(chosen, pos)]
+        slots = [s.block_table[e // bs] * bs + e % bs for s, e in zip(drafted, pos)]
+        local = self.sparse_inputs.decode_vectors([s.seq_id for s in drafted], [e + 1 for e in pos]).get("local_rows")
         self.backend.commit_drafts(host_list_to([i for i, _, _ in chosen], torch.long, dev),
                                    host_list_to(slots, torch.long, dev),
-                                   host_list_to(local, torch.long, dev) if local else None,
-                                   SummaryWrites(rows=host_list_to(rows, torch.long, dev),
-                                                 reset=host_list_to(reset, torch.bool, dev)))
+                                   host_list_to(local, torch.long, dev) if local is not None else None,
+                                   self.sparse_inputs.summary_writes(drafted, runs=False))
 
     def _sample(self, parts: list[tuple[list[Sequence], torch.Tensor]]) -> dict[int, int]:
         """Tokens for the requests of each (requests, logits rows in the same order) part."""

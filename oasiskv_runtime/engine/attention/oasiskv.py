@@ -204,8 +204,6 @@ class OasisKVAttention:
             self.context.attend(layer, s, q, k, v, out, device_path)
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
-            if self.sparse.accept_drafts:
-                self.draft_kv.append((k[b.draft_rows], v[b.draft_rows]))
         if b is not None and self.mode.prefetches:
             self.pipeline.prefetch(layer, b, q[b.pred_rows()], self.step_cap)
         if step.fill is not None:
@@ -233,10 +231,13 @@ class OasisKVAttention:
         if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
             gap = b.derived("gap_i32", lambda: b.gap_block.int()[:, None, None].expand(-1, block_ids.shape[1], 1))
             block_ids = torch.cat([block_ids.int(), gap], dim=2)
+        kd, vd = k[b.draft_rows], v[b.draft_rows]
+        if self.sparse.accept_drafts:  # kept until the step's tokens are sampled (commit_drafts)
+            self.draft_kv.append((kd, vd))
         res = sparse_decode_attention(qs, self.dev_cache.k[layer], self.dev_cache.v[layer], block_ids.int(),
                                       b.derived("local_block_i32", lambda: b.local_block.int()),
                                       b.derived("local_len_i32", lambda: b.local_len.int()), self.scale,
-                                      k[b.draft_rows], v[b.draft_rows], backend=self.kernels.backend)
+                                      kd, vd, backend=self.kernels.backend)
         if b.separate_draft_rows:  # every request has its own draft row: both outputs in one index op
             out[qd_rows] = res.flatten(0, 1)
             return
