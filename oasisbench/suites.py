@@ -87,6 +87,8 @@ OPTION_SPECS: dict[str, _Validator] = {
     "num_requests": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "kv_cache_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GiB): the device KV budget"),
     "host_kv_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GiB): the host KV pool of host-pool modes"),
+    "device_tier_gb": (lambda v: _is_num(v) and v > 0, "a positive number (GiB; engine vllm, host-pool modes, with "
+                       "host_kv_gb): device memory beside vLLM's cache for full-KV rows past the host pool's"),
     "device": (lambda v: isinstance(v, str) and bool(v), "a device string such as cuda:0"),
     "dtype": (lambda v: v in ("float32", "float16", "bfloat16"), "one of float32, float16, bfloat16"),
     "seed": (_is_int, "an integer"),

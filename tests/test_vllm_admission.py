@@ -193,3 +193,26 @@ def test_preemption_under_working_set_admission_frees_both_tiers(plain_run):
     assert run["preemptions"] > 0
     assert run["tokens"] == plain["tokens"]
     assert run["kv_usage"] == 0.0 and run["stats"]["running_requests"] == 0
+
+
+@needs_vllm
+def test_a_device_tier_runs_requests_past_the_host_pools_rows(plain_run):
+    """``host_pool_gb`` for two rows and ``device_tier_gb`` for two more: four requests run at once (the host pool
+    alone holds two), and at a budget that fetches (K = 4 blocks of 14) the tokens equal those of a host pool of
+    four rows: where a row lives changes nothing (tier rows are taken first, so they are exercised). Both runs end
+    with vLLM's cache and every state row free."""
+    from oasiskv_runtime.vllm import engine_args
+
+    model, _ = plain_run
+    row_gb = 256 * 1024 / (1 << 30)  # max_model_len 256 tokens x 1 KiB
+    args = dict(mode="oasiskv", top_k_blocks=4, draft="none", platform="cpu")
+    host = _stepped(model, **engine_args(**args, host_pool_gb=4 * row_gb))
+    tier = _stepped(model, **engine_args(**args, host_pool_gb=2 * row_gb, device_tier_gb=2 * row_gb))
+    st = tier["stats"]
+    assert (st["host_pool_rows"], st["device_tier_rows"]) == (2, 2) and st["device_tier_bytes"] == 2 * 256 * 1024
+    assert host["stats"]["device_tier_rows"] == 0
+    assert st["max_running_requests"] == 4 and tier["preemptions"] == 0
+    assert st["fetched_bytes_per_step"] > 0 and st["max_step_bytes_over_cap"] == 0
+    assert tier["tokens"] == host["tokens"]
+    for run in (host, tier):
+        assert run["kv_usage"] == 0.0 and run["stats"]["running_requests"] == 0

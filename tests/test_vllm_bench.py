@@ -19,9 +19,11 @@ from typer.testing import CliRunner
 
 from oasisbench.cli.main import app
 from oasisbench.results.report import render_report
-from oasisbench.results.schema import METRIC_NAMES, Record, Run, order_modes, point_id, series_label
+from oasisbench.results.schema import (METRIC_NAMES, Record, Run, label_mode, order_modes, point_id,
+                                       series_label)
 from oasisbench.results.store import RunStore, load_run
 from oasisbench.runners import vllm_point
+from oasiskv_runtime.vllm.options import VllmOptions
 from oasisbench.runners.throughput import plan_points, resolve_point, run_throughput
 from oasisbench.suites import load_suite
 from tests.tiny_models import write_tiny
@@ -63,6 +65,9 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
     # host_kv_gb is the plug-in's pinned pool (host_pool_gb); without it engine_args sizes it from free RAM
     pooled = plan_points([{**POINT, "engine": "vllm", "mode": "oasiskv", "host_kv_gb": 6}])[0].engine
     assert pooled.plugin["host_pool_gb"] == 6.0 and "host_pool_gb" not in oasis.plugin
+    tiered = plan_points([{**POINT, "engine": "vllm", "mode": "oasiskv", "host_kv_gb": 6, "device_tier_gb": 2}])
+    assert tiered[0].engine.plugin["device_tier_gb"] == 2.0 and "device_tier_gb" not in pooled.plugin
+    assert series_label(tiered[0].point) == "vllm:oasiskv+tier" and label_mode("vllm:oasiskv+tier") == "oasiskv"
     on_gpu = plan_points([{**POINT, "engine": "vllm", "mode": "dense", "device": "cuda"}], check_device=False)
     assert "enforce_eager" not in on_gpu[0].engine.llm_kwargs  # vLLM's graphs on CUDA
     off = plan_points([{**POINT, "engine": "vllm", "mode": "dense", "device": "cuda", "cuda_graphs": "off"}],
@@ -74,6 +79,9 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
     ({"mode": "fetch-on-demand"}, "does not run on vLLM"),
     ({"mode": "oasiskv", "device_tier": True}, "does not take device_tier"),
     ({"mode": "sparse-resident", "host_kv_gb": 4}, "only the host-pool modes keep a host pool"),
+    ({"mode": "dense", "device_tier_gb": 4}, "only the host-pool modes keep a host pool"),
+    ({"mode": "oasiskv", "device_tier_gb": 4}, "set host_kv_gb too"),
+    ({"mode": "oasiskv", "engine": "embedded", "device_tier_gb": 4}, "device_tier_gb is a vLLM point's key"),
     ({"mode": "oasiskv", "link_gbps": 30.0}, "does not take link_gbps"),
     ({"mode": "oasiskv", "draft": "oracle"}, "no vLLM counterpart"),
     ({"mode": "oasiskv", "block_size": 8}, "block_size"),
@@ -116,8 +124,8 @@ def test_run_points_selects_by_dry_run_number(tmp_path):
     assert r.exit_code == 0, r.output
     assert [line.split()[1:4] for line in r.output.splitlines() if line.startswith("point ")] == [
         ["1/2", "vllm:dense", "ctx=32768"], ["2/2", "vllm:oasiskv", "ctx=32768"]]
-    bad = runner.invoke(app, ["run", str(suite), "--points", "12", "--output-dir", str(tmp_path)])
-    assert bad.exit_code == 2 and "outside the suite's points 1-10" in bad.output and not any(tmp_path.iterdir())
+    bad = runner.invoke(app, ["run", str(suite), "--points", "13", "--output-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "outside the suite's points 1-12" in bad.output and not any(tmp_path.iterdir())
 
 
 def test_a_child_payload_larger_than_the_argument_limit_reaches_the_child():
@@ -136,13 +144,24 @@ def test_committed_vllm_suites_plan():
     planned = plan_points(paper.expand(), check_device=False)  # a GPU suite, planned on any machine
     assert [series_label(pp.point) for pp in planned] == [
         "vllm:dense", "vllm:dense+ngram", "vllm:oasiskv", "vllm:dense", "vllm:oasiskv", "vllm:dense+ngram", "oasiskv",
-        "oasiskv", "vllm:dense", "vllm:oasiskv"]
+        "oasiskv", "vllm:dense", "vllm:oasiskv", "vllm:oasiskv+tier", "vllm:oasiskv+tier"]
+    # the device tier's points: vLLM's cache, every row's working set and summaries, and the tier's rows keep to
+    # plain vLLM's 55 GiB (Qwen3-8B: 144 KiB of KV a token, a block's min/max summaries as much)
+    tok = 36 * 8 * 128 * 2 * 2
+    for pp in (pp for pp in planned if pp.point.get("device_tier_gb")):
+        ctx = pp.point["context_len"]
+        opts = VllmOptions(**{k: v for k, v in pp.engine.plugin.items() if k != "draft"})
+        host, tier = (f(pp.point["concurrency"], ctx, tok) for f in (opts.host_pool_rows, opts.device_tier_rows))
+        per_row = (opts.top_k_blocks + 2) * 16 * tok + ctx // 16 * tok
+        device = pp.engine.llm_kwargs["kv_cache_memory_bytes"] + (host + tier + 1) * per_row + tier * ctx * tok
+        assert (host, tier) == {16384: (41, 10), 32768: (20, 6)}[ctx] and device <= 55 << 30, (ctx, device / 2**30)
     assert planned[1].engine.plugin == {"mode": "dense", "draft": "ngram"}  # vLLM's speculation, none of ours
     assert planned[5].engine.plugin == planned[1].engine.plugin and planned[5].point["context_len"] == 32768
     moe = [pp for pp in planned if pp.point["model"] == "qwen3-30b-a3b"]  # the MoE row: 16K, its own budgets
     assert [(pp.point["context_len"], pp.engine.llm_kwargs["kv_cache_memory_bytes"] >> 30) for pp in moe] == [
         (16384, 40), (16384, 22)]
-    planned = [pp for pp in planned if not pp.point["speculate"] and pp.point["model"] == "qwen3-8b"]
+    planned = [pp for pp in planned if not pp.point["speculate"] and pp.point["model"] == "qwen3-8b"
+               and not pp.point.get("device_tier_gb")]
     tier = load_suite(SUITES / "paper-qwen3-8b-capacity-tier.yaml").expand()
     same = ("model", "output_len", "dtype", "max_num_batched_tokens", "top_k_blocks", "fetch_ratio")
     assert {tuple(p[k] for k in same) for p in tier} == {tuple(pp.point[k] for k in same) for pp in planned}

@@ -445,13 +445,16 @@ class _Replay:
             self.monkeypatch.setattr(host_pool, "capturing", lambda: False)
 
 
+@pytest.mark.parametrize("tier", [0, 2])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_host_pool_decode_steps_replay_like_eager_steps(device, monkeypatch):
+def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, monkeypatch):
     """No vLLM: two host-pool runtimes (oasiskv, K = 4, cap 2; on CUDA the prefetch on its side streams) take the
     same requests (three prompts prefilled and filled, then decode steps). One runs every step eagerly; the other
     has captured a decode step of vLLM's padded static layout (four rows, one padding) before any request existed,
     as vLLM does at start-up, and replays it for each decode step after ``replay_step`` (the host part the KV
-    connector runs). Every decode output, the per-head maps and the working sets' contents are the same."""
+    connector runs). Every decode output, the per-head maps and the working sets' contents are the same. With
+    ``tier`` the replayed runtime keeps that many of its four rows in a device tier (``device_tier_gb``; the
+    requests take tier rows first): where a row's full KV lives changes none of it."""
     from oasiskv_runtime.vllm.batch import plan_step
     from oasiskv_runtime.vllm.host_pool import HostPoolRuntime
     from oasiskv_runtime.vllm.requests import StepEvents
@@ -466,8 +469,9 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, monkeypatch):
     tables = (torch.randperm(nb - 1)[:3 * 12] + 1).view(3, 12).int().to(device)  # block 0: vLLM's null block
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
 
-    def make():
-        rt = HostPoolRuntime(opts, layers, hkv, d, nb, dtype, torch.device(device), rows, d ** -0.5, max_len)
+    def make(tier_rows=0):
+        rt = HostPoolRuntime(opts, layers, hkv, d, nb, dtype, torch.device(device), rows - tier_rows, d ** -0.5,
+                             max_len, tier_rows)
         rt.full_graphs = True
         return rt
 
@@ -495,7 +499,8 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, monkeypatch):
                   "slot_mapping": slots, "num_tokens": len(slots), "max_seq_len": max(seq_lens)}
         return qsl, seqs, common, qkv
 
-    eager, graphed = make(), make()
+    eager, graphed = make(), make(tier)
+    assert graphed.tier_rows == tier and graphed.host_pool_rows == rows - tier
     # the static layout's persistent buffers (vLLM's), a dummy step through them: eager on both (kernels compiled,
     # step numbers aligned), then captured for the graphed runtime
     _, _, static, static_qkv = step_inputs([1] * rows, [1] * rows, torch.zeros(rows, 12, dtype=torch.int32,
@@ -609,6 +614,38 @@ def test_host_pool_rows_from_host_pool_gb():
     cfg = SimpleNamespace(model_config=mc, parallel_config=None, scheduler_config=SimpleNamespace(max_num_seqs=60))
     assert kv_bytes_per_token(cfg) == 147456
     assert host_pool_rows(cfg, VllmOptions(mode="oasiskv", host_pool_gb=96.0)) == 42  # 2.25 GiB a row
+
+
+def test_device_tier_rows_follow_the_host_pools():
+    """device_tier_gb's rows (of max_model_len tokens) come after the host pool's, the two together at most
+    max_num_seqs; the tier needs host_pool_gb and a host-pool mode; too small for a row: the arithmetic."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from oasiskv_runtime.vllm.options import device_tier_rows
+
+    row_gb = 1040 * 1024 / (1 << 30)  # max_model_len 1030 -> 65 blocks of 16 tokens, 1 KiB per token
+    opts = lambda host, tier: VllmOptions(mode="oasiskv", host_pool_gb=host * row_gb,  # noqa: E731
+                                          device_tier_gb=tier * row_gb)
+    assert opts(10, 5.5).device_tier_rows(64, 1030, 1024) == 5
+    assert opts(10, 80).device_tier_rows(64, 1030, 1024) == 54  # 64 in all
+    assert opts(100, 80).device_tier_rows(64, 1030, 1024) == 0  # the host pool already holds max_num_seqs
+    assert VllmOptions(mode="oasiskv", host_pool_gb=8.0).device_tier_rows(64, 1030, 1024) == 0
+    with pytest.raises(MemoryError, match="device tier of .* holds no request"):
+        opts(10, 0.5).device_tier_rows(64, 1030, 1024)
+    with pytest.raises(ValueError, match="set host_pool_gb too"):
+        VllmOptions(mode="oasiskv", device_tier_gb=1.0)
+    with pytest.raises(ValueError, match="host-pool modes"):
+        VllmOptions(mode="sparse-resident", host_pool_gb=1.0, device_tier_gb=1.0)
+    for bad in (-1.0, "8", True):
+        with pytest.raises(ValueError, match="device_tier_gb"):
+            VllmOptions(mode="oasiskv", host_pool_gb=1.0, device_tier_gb=bad)
+    # Qwen3-8B at 16K: 2.25 GiB a row; 94 GiB of host -> 41 rows, 23 GiB of device -> 10 more (of 60)
+    mc = SimpleNamespace(get_num_layers=lambda pc: 36, get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 128,
+                         dtype=torch.bfloat16, max_model_len=16384)
+    cfg = SimpleNamespace(model_config=mc, parallel_config=None, scheduler_config=SimpleNamespace(max_num_seqs=60))
+    assert device_tier_rows(cfg, VllmOptions(mode="oasiskv", host_pool_gb=94.0, device_tier_gb=23.0)) == 10
 
 
 def test_speculative_config_one_token():

@@ -52,7 +52,7 @@ OPTIONAL_POINT_KEYS: tuple[str, ...] = (
 #: Point keys that only configure the sparse and host-pool modes: dense has no counterpart for them, so cross-mode
 #: matching (oasiskv vs dense at the same context and concurrency) ignores them.
 SPARSE_ONLY_POINT_KEYS: tuple[str, ...] = ("top_k_blocks", "fetch_ratio", "draft", "host_kv_gb", "device_tier",
-                                          "link_gbps")
+                                          "device_tier_gb", "link_gbps")
 
 
 class PointMetrics(TypedDict, total=False):
@@ -163,13 +163,16 @@ class Run:
 def series_label(point: dict[str, Any]) -> str:
     """What tables, legends and ratios call a point's mode: the mode on the default engine, ``engine:mode`` on
     another (``vllm:dense`` is plain vLLM), so one run's embedded and vLLM points of a mode are two series; plain
-    vLLM speculating with a draft is ``vllm:dense+<draft>``, the embedded oasiskv accepting drafts ``oasiskv+accept``."""
+    vLLM speculating with a draft is ``vllm:dense+<draft>``, the embedded oasiskv accepting drafts ``oasiskv+accept``,
+    the plug-in with a device tier ``vllm:oasiskv+tier``."""
     engine = point.get("engine")
     mode = str(point["mode"])
     if point.get("speculate"):
         mode = f"{mode}+{point.get('draft')}"
     if point.get("accept_drafts"):
         mode = f"{mode}+accept"
+    if point.get("device_tier_gb"):
+        mode = f"{mode}+tier"
     return mode if engine in (None, DEFAULT_ENGINE) else f"{engine}:{mode}"
 
 

@@ -61,6 +61,7 @@ POINT_DEFAULTS: dict[str, Any] = {
     "num_requests": None,
     "kv_cache_gb": None,
     "host_kv_gb": None,
+    "device_tier_gb": None,
     "device": "",
     "dtype": "",
     "seed": 0,
@@ -141,6 +142,10 @@ def plan_points(points: list[dict[str, Any]], check_device: bool = True) -> list
         if p["output_len"] >= p["context_len"]:
             raise ValueError(f"point {pid}: output_len ({p['output_len']}) must be below context_len "
                              f"({p['context_len']}): the prompt is context_len - output_len tokens")
+        if p["device_tier_gb"] is not None and p["engine"] != "vllm":
+            raise ValueError(f"point {pid}: device_tier_gb is a vLLM point's key (the plug-in's device tier, in GiB); "
+                             f"the embedded engine's is device_tier: true (the device KV budget its working sets "
+                             f"leave free)")
         if p["speculate"] and p["engine"] != "vllm":
             raise ValueError(f"point {pid}: speculate is a vLLM point's key (plain vLLM with speculative decoding); "
                              "the embedded engine drafts in mode oasiskv")

@@ -74,9 +74,13 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
     specs = EngineConfig.options()
     refused = [k for k in ENGINE_KEYS if k not in VLLM_POINT_KEYS and point.get(k) is not None
                and point[k] != specs[k].default]
-    host_gb = point.get("host_kv_gb")
-    if host_gb is not None and not Mode.parse(point["mode"]).uses_host_pool:
-        refused.append(f"host_kv_gb in mode {point['mode']} (only the host-pool modes keep a host pool)")
+    host_gb, tier_gb = point.get("host_kv_gb"), point.get("device_tier_gb")
+    if not Mode.parse(point["mode"]).uses_host_pool:
+        refused += [f"{k} in mode {point['mode']} (only the host-pool modes keep a host pool)"
+                    for k in ("host_kv_gb", "device_tier_gb") if point.get(k) is not None]
+    if tier_gb is not None and host_gb is None and not refused:
+        raise ValueError("device_tier_gb adds rows past the host pool's: set host_kv_gb too (without it the host pool "
+                         "is 80% of the host's free memory, which varies from machine to machine)")
     if refused:
         raise ValueError(f"engine vllm does not take {', '.join(refused)}: embedded-engine options")
     # A key the point leaves None has the embedded engine's default, which VllmOptions shares.
@@ -112,6 +116,8 @@ def plan_vllm_point(point: dict[str, Any]) -> VllmPlan:
         plugin = {"mode": mode.value, **options, "draft": draft}
     if host_gb is not None:  # the plug-in's pinned pool (engine_args' host_pool_gb; without it: 80% of free RAM)
         plugin["host_pool_gb"] = float(host_gb)
+    if tier_gb is not None:
+        plugin["device_tier_gb"] = float(tier_gb)
     if plugin is not None and graphs == "full":  # the host-pool modes' decode steps from full graphs too
         plugin["cuda_graphs"] = "full"
     return VllmPlan(llm, plugin)

@@ -29,7 +29,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from oasiskv_runtime.vllm.options import VllmOptions, host_pool_rows
+from oasiskv_runtime.vllm.options import VllmOptions, device_tier_rows, host_pool_rows
 from oasiskv_runtime.vllm.requests import CONNECTOR_MODULE, RequestTracker, StepEvents
 
 assert CONNECTOR_MODULE == __name__
@@ -47,12 +47,14 @@ class OasisKVConnector(KVConnectorBase_V1):
         self.tracker = RequestTracker() if role == KVConnectorRole.SCHEDULER else None
         self._queued: StepEvents | None = None
         self.rows = 0
-        """Scheduler side: the host pool's state rows (requests that may hold one at once; more wait)."""
+        """Scheduler side: the pool's state rows, host and device tier (requests that may hold one at once; more
+        wait)."""
         self.deferred = 0
         """Scheduler side: times a waiting request was deferred because every row was held."""
         if self.tracker is not None:
             opts = VllmOptions.from_vllm_config(vllm_config)
-            self.rows = host_pool_rows(vllm_config, opts) if opts is not None else 0
+            self.rows = host_pool_rows(vllm_config, opts) + device_tier_rows(vllm_config, opts) \
+                if opts is not None else 0
 
     # ---- worker side --------------------------------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -94,8 +96,8 @@ class OasisKVConnector(KVConnectorBase_V1):
         request waits in vLLM's queue until one is free."""
         if self.rows and not self.tracker.holds(request.request_id) and self.tracker.held() >= self.rows:
             if not self.deferred:
-                logger.info("OasisKV: all %d rows of the host pool are held; waiting requests start as rows free "
-                            "(host_pool_gb sets the rows)", self.rows)
+                logger.info("OasisKV: all %d rows of the pool are held; waiting requests start as rows free "
+                            "(host_pool_gb and device_tier_gb set the rows)", self.rows)
             self.deferred += 1
             return None, False
         return 0, False

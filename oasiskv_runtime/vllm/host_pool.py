@@ -51,7 +51,7 @@ from oasiskv_runtime.transfer.host_pool import HostKVPool
 from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 from oasiskv_runtime.vllm.batch import (LOCAL_SLOTS, FillBatch, HostPoolBatch, StepPlan, fill_batch,
                                         host_pool_batch)
-from oasiskv_runtime.vllm.options import VllmOptions, host_pool_rows
+from oasiskv_runtime.vllm.options import VllmOptions, device_tier_rows, host_pool_rows
 from oasiskv_runtime.vllm.requests import StepEvents
 
 _LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
@@ -99,10 +99,12 @@ class HostPoolRuntime:
     """The OasisKV core of one vLLM worker in a host-pool mode (all layers)."""
 
     def __init__(self, opts: VllmOptions, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device, max_rows: int, scale: float, max_model_len: int) -> None:
-        """``num_blocks``: vLLM's KV cache blocks; ``max_rows``: the pool's state rows (``max_num_seqs``, or fewer
-        with ``host_pool_gb``: :func:`~oasiskv_runtime.vllm.options.host_pool_rows`); ``scale``: the layers'
-        attention scale (``minmax_mass`` ranks with it)."""
+                 dtype: torch.dtype, device: torch.device, max_rows: int, scale: float, max_model_len: int,
+                 tier_rows: int = 0) -> None:
+        """``num_blocks``: vLLM's KV cache blocks; ``max_rows``: the pool's state rows in host memory
+        (``max_num_seqs``, or fewer with ``host_pool_gb``: :func:`~oasiskv_runtime.vllm.options.host_pool_rows`);
+        ``tier_rows``: more rows in device memory after them (``device_tier_gb``); ``scale``: the layers' attention
+        scale (``minmax_mass`` ranks with it)."""
         self.opts, self.mode = opts, opts.parsed_mode
         if not self.mode.uses_host_pool:
             raise ValueError(f"mode {self.mode.value} keeps no host pool")
@@ -116,9 +118,17 @@ class HostPoolRuntime:
                           * dtype.itemsize, max_rows, max_model_len)
         host = PagedKVCache(num_layers, max_rows * self.blocks_per_row, bs, num_kv_heads, head_dim, dtype, "cpu",
                             pin_memory=device.type == "cuda", zero=False)
-        self.pool = HostKVPool(host)
+        # Rows [max_rows, max_rows + tier_rows) are the device tier: their pool blocks (row * blocks_per_row + j, as
+        # every row's) run past the host part, into a device cache of their own (HostKVPool's tier addressing).
+        tier = PagedKVCache(num_layers, tier_rows * self.blocks_per_row, bs, num_kv_heads, head_dim, dtype, device,
+                            zero=False) if tier_rows else None
+        self.pool = HostKVPool(host, tier, max_rows * self.blocks_per_row if tier_rows else None, backend)
+        self.host_pool_rows, self.tier_rows = max_rows, tier_rows
         self.host_pool_bytes = sum(t.numel() * t.element_size() for t in host.k + host.v)
         """This worker's pinned pool: its KV heads only under tensor parallelism (each rank keeps its own)."""
+        self.tier_bytes = 0 if tier is None else sum(t.numel() * t.element_size() for t in tier.k + tier.v)
+        """This worker's device tier (beside vLLM's cache)."""
+        max_rows += tier_rows
         self.scratch_row = max_rows
         """A row no request owns: decode-shaped rows whose request has no state row (never, with the connector's
         events) point there rather than at another request's row."""
@@ -127,9 +137,10 @@ class HostPoolRuntime:
         summary_rows = (max_rows + 1) * self.blocks_per_row
         mk = lambda: torch.zeros((summary_rows, 1, num_kv_heads, head_dim), dtype=dtype, device=device)  # noqa: E731
         summaries = KeySummaries([mk() for _ in range(num_layers)], [mk() for _ in range(num_layers)], backend)
-        self.device_bytes = sum(t.numel() * t.element_size() for t in self.ws.k + self.ws.v + summaries.mins
-                                + summaries.maxs)
-        """Device memory beside vLLM's KV cache (outside its ``kv_cache_memory_bytes``): working sets, summaries."""
+        self.device_bytes = self.tier_bytes + sum(t.numel() * t.element_size() for t in self.ws.k + self.ws.v
+                                                  + summaries.mins + summaries.maxs)
+        """Device memory beside vLLM's KV cache (outside its ``kv_cache_memory_bytes``): working sets, summaries, the
+        device tier."""
         self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
         self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device)
         self.head_map.free_rows.remove(self.scratch_row)
@@ -455,7 +466,8 @@ class HostPoolRuntime:
                    max_step_bytes_over_cap=int(self._cap_excess) * unit,
                    running_requests=len(self.first), max_running_requests=c["max_running_requests"],
                    kv_heads=self.head_map.slot_map.shape[2],
-                   host_pool_rows=self.scratch_row, host_pool_bytes=self.host_pool_bytes,
+                   host_pool_rows=self.host_pool_rows, host_pool_bytes=self.host_pool_bytes,
+                   device_tier_rows=self.tier_rows, device_tier_bytes=self.tier_bytes,
                    device_bytes=self.device_bytes)
         return out
 
@@ -514,7 +526,7 @@ def runtime_for(vllm_config: Any, opts: VllmOptions, k_cache: torch.Tensor, dtyp
         raise NotImplementedError(f"OasisKV's host pool keeps KV in the model's dtype ({vllm_config.model_config.dtype}"
                                   f"); vLLM's cache is {dtype} (kv_cache_dtype): run without it")
     rt = HostPoolRuntime(opts, num_layers, hkv, d, nb, dtype, k_cache.device, host_pool_rows(vllm_config, opts), scale,
-                         vllm_config.model_config.max_model_len)
+                         vllm_config.model_config.max_model_len, device_tier_rows(vllm_config, opts))
     rt.full_graphs = opts.full_graphs and k_cache.device.type == "cuda"
     if rt.full_graphs and getattr(vllm_config, "use_v2_model_runner", False):
         raise RuntimeError("OasisKV: full CUDA graphs in the host-pool modes need vLLM's V1 model runner (the V2 "

@@ -66,6 +66,12 @@ class VllmOptions:
     are all taken, new requests wait in vLLM's queue (the KV connector defers them) instead of the start failing.
     0: ``max_num_seqs`` rows (refused at start if the host cannot hold them). ``engine_args`` sets 80% of the
     host's available memory."""
+    device_tier_gb: float = 0.0
+    """Host-pool modes with ``host_pool_gb``: GiB of device memory (all GPUs of the engine together, beside vLLM's
+    cache: outside ``kv_cache_memory_bytes``) for more full-KV rows than the host pool holds, the device tier (the
+    embedded engine's ``device_tier``). A request takes a free row of either part and runs the same way (a tier row's
+    blocks reach its working set device to device). Where the host's RAM caps the rows, this is where more requests
+    go: working-set admission leaves most of a device KV budget unused. 0: no tier."""
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
@@ -74,7 +80,7 @@ class VllmOptions:
             raise ValueError(f"mode {mode.value!r} does not run on vLLM; choose one of: {names}")
         object.__setattr__(self, "mode", mode.value)
         for f in fields(self):
-            if f.name not in ("mode", "cuda_graphs", "admission", "host_pool_gb"):
+            if f.name not in ("mode", "cuda_graphs", "admission", "host_pool_gb", "device_tier_gb"):
                 _SPECS[f.name].validate(getattr(self, f.name))
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
@@ -86,9 +92,16 @@ class VllmOptions:
                              f"embedded engine's CPU test layout)")
         if self.admission not in ("working-set", "full"):
             raise ValueError(f"admission is working-set or full, got {self.admission!r}")
-        if not isinstance(self.host_pool_gb, (int, float)) or isinstance(self.host_pool_gb, bool) \
-                or self.host_pool_gb < 0:
-            raise ValueError(f"host_pool_gb is a number of GiB >= 0 (0: max_num_seqs rows), got {self.host_pool_gb!r}")
+        for name, zero in (("host_pool_gb", "max_num_seqs rows"), ("device_tier_gb", "no device tier")):
+            gb = getattr(self, name)
+            if not isinstance(gb, (int, float)) or isinstance(gb, bool) or gb < 0:
+                raise ValueError(f"{name} is a number of GiB >= 0 (0: {zero}), got {gb!r}")
+        if self.device_tier_gb > 0 and not self.parsed_mode.uses_host_pool:
+            raise ValueError(f"device_tier_gb is for the host-pool modes (proxy-prefetch, oasiskv), not {self.mode}: "
+                             f"the other modes keep every request's KV in vLLM's cache")
+        if self.device_tier_gb > 0 and self.host_pool_gb <= 0:
+            raise ValueError("device_tier_gb adds rows once the host pool's are all held: set host_pool_gb too (0 "
+                             "gives the host pool max_num_seqs rows, and the tier none)")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
@@ -138,13 +151,25 @@ class VllmOptions:
         KV heads of the host). The scheduler (which defers requests past it) and every worker compute the same."""
         if self.host_pool_gb <= 0:
             return max_num_seqs
+        return min(max_num_seqs, self._rows_of("host_pool_gb", "host pool", max_model_len, bytes_per_token))
+
+    def device_tier_rows(self, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> int:
+        """Rows of the device tier (``device_tier_gb``), after the host pool's: together at most ``max_num_seqs``."""
+        if self.device_tier_gb <= 0:
+            return 0
+        rows = self._rows_of("device_tier_gb", "device tier", max_model_len, bytes_per_token)
+        return max(0, min(rows, max_num_seqs - self.host_pool_rows(max_num_seqs, max_model_len, bytes_per_token)))
+
+    def _rows_of(self, name: str, what: str, max_model_len: int, bytes_per_token: int) -> int:
+        """Rows of ``max_model_len`` tokens that option ``name``'s GiB hold (at least one, or a clear error)."""
+        gb = getattr(self, name)
         row = -(-max_model_len // self.block_size) * self.block_size * bytes_per_token
-        rows = int(self.host_pool_gb * (1 << 30) // row)
+        rows = int(gb * (1 << 30) // row)
         if rows < 1:
-            raise MemoryError(f"OasisKV's host pool of {self.host_pool_gb:.1f} GiB holds no request: one row is "
-                              f"max_model_len {max_model_len} tokens x {bytes_per_token} bytes per token = "
-                              f"{row / (1 << 30):.2f} GiB; raise host_pool_gb or lower max_model_len")
-        return min(max_num_seqs, rows)
+            raise MemoryError(f"OasisKV's {what} of {gb:.1f} GiB holds no request: one row is max_model_len "
+                              f"{max_model_len} tokens x {bytes_per_token} bytes per token = {row / (1 << 30):.2f} "
+                              f"GiB; raise {name} or lower max_model_len")
+        return rows
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "VllmOptions | None":
@@ -168,5 +193,14 @@ def kv_bytes_per_token(vllm_config: Any) -> int:
 
 def host_pool_rows(vllm_config: Any, opts: VllmOptions) -> int:
     """:meth:`VllmOptions.host_pool_rows` for an engine's config."""
-    return opts.host_pool_rows(vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len,
-                               kv_bytes_per_token(vllm_config))
+    return opts.host_pool_rows(*_sizes(vllm_config))
+
+
+def device_tier_rows(vllm_config: Any, opts: VllmOptions) -> int:
+    """:meth:`VllmOptions.device_tier_rows` for an engine's config."""
+    return opts.device_tier_rows(*_sizes(vllm_config))
+
+
+def _sizes(vllm_config: Any) -> tuple[int, int, int]:
+    return (vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len,
+            kv_bytes_per_token(vllm_config))
