@@ -616,6 +616,16 @@ def test_host_pool_rows_from_host_pool_gb():
     assert host_pool_rows(cfg, VllmOptions(mode="oasiskv", host_pool_gb=96.0)) == 42  # 2.25 GiB a row
 
 
+def test_device_state_the_gpu_cannot_hold_is_refused_with_the_arithmetic():
+    from oasiskv_runtime.vllm.host_pool import check_device_memory
+
+    gib = 1 << 30
+    check_device_memory(10 * gib, 20 * gib, 30 * gib)
+    with pytest.raises(MemoryError, match=r"needs 31.0 GiB .* summaries 11.0 GiB, device tier 20.0 GiB\) and the "
+                                          r"GPU has 30.0 GiB free: lower device_tier_gb"):
+        check_device_memory(11 * gib, 20 * gib, 30 * gib)
+
+
 def test_device_tier_rows_follow_the_host_pools():
     """device_tier_gb's rows (of max_model_len tokens) come after the host pool's, the two together at most
     max_num_seqs; the tier needs host_pool_gb and a host-pool mode; too small for a row: the arithmetic."""

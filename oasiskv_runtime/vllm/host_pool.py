@@ -114,8 +114,13 @@ class HostPoolRuntime:
         self.blocks_per_row = -(-max_model_len // bs)
         """Pool blocks of one state row: a request's whole context (``max_model_len``)."""
         backend = opts.backend
-        check_host_memory(num_layers * max_rows * self.blocks_per_row * bs * num_kv_heads * head_dim * 2
-                          * dtype.itemsize, max_rows, max_model_len)
+        per_block = num_layers * 2 * bs * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes of one block of every layer, K and V (a summary block: min and max, a row each: 1 / bs of it)."""
+        check_host_memory(max_rows * self.blocks_per_row * per_block, max_rows, max_model_len)
+        if device.type == "cuda":
+            rows = max_rows + tier_rows + 1
+            check_device_memory(rows * (k + LOCAL_SLOTS) * per_block + rows * self.blocks_per_row * per_block // bs,
+                                tier_rows * self.blocks_per_row * per_block, free_device_bytes(device))
         host = PagedKVCache(num_layers, max_rows * self.blocks_per_row, bs, num_kv_heads, head_dim, dtype, "cpu",
                             pin_memory=device.type == "cuda", zero=False)
         # Rows [max_rows, max_rows + tier_rows) are the device tier: their pool blocks (row * blocks_per_row + j, as
@@ -478,6 +483,23 @@ class HostPoolRuntime:
         self._gap_rows.zero_()
         self.counts.update(steps=0, decode_request_steps=0, fills=0, fallback_steps=0, step_cap_blocks=0,
                            replayed_steps=0, eager_graph_steps=0, max_running_requests=len(self.first))
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """What this process can still allocate on ``device``: the driver's free memory and what PyTorch's caching
+    allocator holds unused (vLLM's profiling runs leave some there)."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_device_memory(state_bytes: int, tier_bytes: int, free_bytes: int) -> None:
+    """Refuse device state the GPU cannot hold beside vLLM's cache (before allocating it): the arithmetic in the
+    error. ``state_bytes``: working sets and summaries of every row; ``tier_bytes``: the device tier's rows."""
+    if state_bytes + tier_bytes > free_bytes:
+        gib = 1 << 30
+        raise MemoryError(f"OasisKV needs {(state_bytes + tier_bytes) / gib:.1f} GiB of device memory beside vLLM's KV "
+                          f"cache (working sets and summaries {state_bytes / gib:.1f} GiB, device tier "
+                          f"{tier_bytes / gib:.1f} GiB) and the GPU has {free_bytes / gib:.1f} GiB free: lower "
+                          f"device_tier_gb, kv_cache_memory_bytes, max_num_seqs or host_pool_gb (rows)")
 
 
 def check_host_memory(pool_bytes: int, max_rows: int, max_model_len: int) -> None:
