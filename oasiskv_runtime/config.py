@@ -285,6 +285,10 @@ class SparseConfig:
     fetch_on_demand_cap: bool = _opt(
         False, "fetch-on-demand: apply the fetch cap too (default: fetch every missing block, as retrieval does).",
         "true or false", lambda v: isinstance(v, bool))
+    fill_query: str = _opt(
+        "draft", "oasiskv: which query predicts the working set filled when a prefill completes: draft (the prefill "
+        "step's draft row, a guess of the first decode token's query) or last (the last prompt token's, as the vLLM "
+        "plug-in must: vLLM proposes no draft on a prefill step).", "draft or last", lambda v: v in ("draft", "last"))
     accept_drafts: bool = _opt(
         False, "oasiskv: when the model's token equals the draft, emit the draft row's token too (two tokens a step, "
         "as vLLM's speculative decoding; outputs stay exact). The draft's KV is kept only when accepted. n-gram "

@@ -124,3 +124,28 @@ def test_the_static_layout_accepts_drafts_as_the_eager_steps_do(tiny):
     assert st["static_eager_steps"] > 10 and st["spec_decode_acceptance_rate"] > 0
     assert static.engine.runner.sparse_inputs.gap_rows > 0
     assert st["spec_decode_acceptance_rate"] == eager.engine.run_stats()["spec_decode_acceptance_rate"]
+
+
+@pytest.mark.parametrize("fill_query", ["draft", "last"])
+def test_fill_query_picks_the_row_that_predicts_the_first_working_set(tiny, fill_query, monkeypatch):
+    """The working set filled when a prefill completes is predicted from the prefill step's draft row (``draft``,
+    the default) or from the last prompt token's row (``last``: what the vLLM plug-in does, vLLM proposing no draft
+    on a prefill step). Greedy tokens at a covering budget are dense's either way."""
+    from oasiskv_runtime.core.pipeline import LookaheadPipeline
+
+    seen = []
+    fill = LookaheadPipeline.fill
+
+    def spy(self, layer, batch, query):
+        seen.append(batch.q_rows.tolist())
+        return fill(self, layer, batch, query)
+
+    monkeypatch.setattr(LookaheadPipeline, "fill", spy)
+    prompt = PROMPTS[0][:30]  # one chunk of 30 rows; the draft row (n-gram: the prompt repeats) comes after them
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft="ngram", fill_query=fill_query)
+    out = llm.generate([prompt], params)[0].token_ids
+    assert seen and all(rows == ([29] if fill_query == "last" else [30]) for rows in seen)
+    assert out == LLM(tiny).generate([prompt], params)[0].token_ids
+    with pytest.raises(ValueError, match="fill_query"):
+        EngineConfig.from_overrides(tiny, mode="oasiskv", fill_query="first")

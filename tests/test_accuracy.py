@@ -275,6 +275,29 @@ def test_every_algorithm_option_and_block_size_can_be_swept(tiny, tmp_path):
     assert cfg.settings()[1:] == [("sparse-resident", {"recent_blocks": 0}), ("sparse-resident", {"recent_blocks": 2})]
 
 
+def test_set_options_reach_every_sparse_setting_before_the_sweep(tiny, tmp_path):
+    """--set KEY=VALUE (repeatable): the option, as its own type, in every sparse setting (so in labels and engine
+    options), the sweep's value after it; dense runs without it; an unknown key or a bad value is refused before
+    any engine runs."""
+    cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), top_k_blocks=8, draft="ngram",
+                         options=(("accept_drafts", "true"), ("recent_blocks", "2")),
+                         sweep=("fill_query", ("draft", "last")), output_dir=tmp_path)
+    assert cfg.settings() == [
+        ("dense", {}),
+        ("oasiskv", {"accept_drafts": True, "recent_blocks": 2, "fill_query": "draft"}),
+        ("oasiskv", {"accept_drafts": True, "recent_blocks": 2, "fill_query": "last"})]
+    base = ["accuracy", "--task", "niah_passkey", "--model", tiny, "--modes", "oasiskv", "--top-k-blocks", "8",
+            "-o", str(tmp_path / "bad")]
+    for extra, words in ((["--set", "accept=true"], ("--set takes KEY=VALUE", "accept_drafts")),
+                         (["--set", "recent_blocks"], ("--set: expected KEY=VALUE",)),
+                         (["--set", "recent_blocks=x"], ("is not an integer",)),
+                         (["--set", "fill_query=first"], ("fill_query",))):
+        r = runner.invoke(app, base + extra, env={"COLUMNS": "400"})
+        out = " ".join(r.output.split())
+        assert r.exit_code != 0 and all(w in out for w in words), (extra, r.output)
+        assert not (tmp_path / "bad").exists()
+
+
 def test_sweep_refusals_name_the_key_before_any_engine_runs(tiny, tmp_path):
     base = ["accuracy", "--task", "niah_passkey", "--model", tiny, "--top-k-blocks", "8", "-o", str(tmp_path / "bad")]
     for extra, words in ((["--modes", "oasiskv", "--sweep", "selection_score=quest,attention"],

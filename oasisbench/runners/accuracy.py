@@ -91,6 +91,9 @@ class AccuracyConfig:
     sweep: tuple[str, tuple[Any, ...]] | None = None
     """(key, values): one run per value for each sparse mode; dense runs once. Values may be the CLI's text: they
     become the option's type (:func:`sweep_value`)."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """(key, value) options of the algorithm every sparse setting runs with (``--set``; keys as ``--sweep``'s),
+    before the sweep's override; dense runs without them."""
     seed: int = 0
     output_dir: Path = Path("results")
     engine: str = "embedded"
@@ -117,6 +120,10 @@ class AccuracyConfig:
             if key not in SWEEP_KEYS or not values:
                 raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
             object.__setattr__(self, "sweep", (key, tuple(sweep_value(key, v) for v in values)))
+        for key, _ in self.options:
+            if key not in SWEEP_KEYS:
+                raise ValueError(f"--set takes KEY=VALUE with KEY one of {', '.join(SWEEP_KEYS)}, got {key!r}")
+        object.__setattr__(self, "options", tuple((k, sweep_value(k, v)) for k, v in self.options))
         most_dense = max(st.get("dense_layers", self.dense_layers) for _, st in self.settings())
         if most_dense:  # the engine checks layer indices only once the model is loaded: here before dense runs
             from oasiskv_runtime.models.loader import model_config_for
@@ -140,14 +147,17 @@ class AccuracyConfig:
                     raise ValueError(f"{label(mode, setting, self.engine)}: {e}") from None
 
     def settings(self) -> list[tuple[str, dict[str, Any]]]:
-        """(mode, sweep override) pairs in run order: the dense anchor first."""
+        """(mode, overrides: ``--set``'s then the sweep's) pairs in run order: the dense anchor first."""
         out: list[tuple[str, dict[str, Any]]] = []
+        fixed = dict(self.options)
         for mode in self.modes:
-            if mode == "dense" or self.sweep is None:
+            if mode == "dense":
                 out.append((mode, {}))
+            elif self.sweep is None:
+                out.append((mode, dict(fixed)))
             else:
                 key, values = self.sweep
-                out += [(mode, {key: v}) for v in values]
+                out += [(mode, {**fixed, key: v}) for v in values]
         return out
 
     def suite_name(self) -> str:
@@ -474,6 +484,7 @@ def _write(cfg: AccuracyConfig, store: RunStore, env: dict, outcome: RunOutcome,
         "random_weights": env.get("random_weights"), "anchor_mode": "dense",
         "score_unit": "percent; delta_vs_dense in points", "k": cfg.num_samples, "engine": cfg.engine,
         "sweep": None if cfg.sweep is None else {"key": cfg.sweep[0], "values": list(cfg.sweep[1])},
+        "set": dict(cfg.options),
         "rows": outcome.rows, "engine_stats": engine_stats})
     for r in outcome.rows:
         # Per task (and per context length), for `oasisbench compare/gate`; strata stay in accuracy.json.

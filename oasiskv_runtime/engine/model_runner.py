@@ -38,7 +38,8 @@ class ModelRunner:
             from oasiskv_runtime.engine.attention.sparse_step import SparseStepBuilder
 
             self.sparse_inputs = SparseStepBuilder(config.mode, kv, backend.head_map, self.device,
-                                                   device_step=backend.background)
+                                                   device_step=backend.background,
+                                                   fill_from_draft=config.sparse.fill_query == "draft")
         self.last_bonus: dict[int, int] = {}
         """With ``accept_drafts``: the second token of each request whose draft the last step accepted (the draft
         itself is that request's sampled token)."""

@@ -43,10 +43,12 @@ class SparseStep:
 
 class SparseStepBuilder:
     def __init__(self, mode: Mode, kv: KVCacheManager, head_map: HeadMap, device: torch.device,
-                 device_step: bool) -> None:
+                 device_step: bool, fill_from_draft: bool = True) -> None:
         """``device_step``: the static layout stamps selections with the step from a device buffer (the background
-        pipeline reads it inside captured graphs) rather than a host int."""
+        pipeline reads it inside captured graphs) rather than a host int; ``fill_from_draft``: a completed prefill's
+        working set is predicted from its draft row where the mode drafts (``SparseConfig.fill_query``)."""
         self.mode, self.kv, self.map, self.device = mode, kv, head_map, device
+        self.fill_from_draft = fill_from_draft and mode.uses_draft
         self.bs = kv.block_size
         self.device_step = device_step
         self.bound: dict[int, int] = {}
@@ -190,7 +192,7 @@ class SparseStepBuilder:
         long = lambda xs: host_list_to(xs, torch.long, self.device)  # noqa: E731
         rows = long([self.map.row(s.seq_id) for s in done])
         self.bound.update((s.seq_id, s.context_len // self.bs) for s in done)
-        qi = long([s.draft_row if (s.draft_row is not None and self.mode.uses_draft)
+        qi = long([s.draft_row if (s.draft_row is not None and self.fill_from_draft)
                    else s.query_start + s.num_query - 1 for s in done])
         blocks = [self.kv.requests[s.seq_id] for s in done]
         n_cand = long([s.context_len // self.bs for s in done])
