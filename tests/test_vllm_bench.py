@@ -99,6 +99,21 @@ def test_configs_vllm_cannot_take_fail_before_anything_runs(tmp_path, extra, mes
     assert not (tmp_path / "out").exists()  # nothing ran, no run directory
 
 
+def test_cli_host_pool_flags_reach_only_the_host_pool_modes_on_vllm(tmp_path):
+    """--host-kv-gb and --device-tier-gb with plain vLLM beside the plug-in: plain vLLM's points leave them out (it
+    keeps no pool) instead of the run being refused; the embedded engine takes --host-kv-gb as before."""
+    r = runner.invoke(app, ["throughput", "--engine", "vllm,embedded", "--modes", "dense,oasiskv", "--model",
+                            "smollm2-135m-random", "--context-len", "512", "--concurrency", "2", "--device", "cpu",
+                            "--host-kv-gb", "8", "--device-tier-gb", "1", "--output-dir", str(tmp_path),
+                            "--dry-run"])
+    assert r.exit_code == 0, r.output
+    ids = {line.split()[2]: line.split()[-1] for line in r.output.splitlines() if line.startswith("point ")}
+    assert list(ids) == ["vllm:dense", "vllm:oasiskv+tier", "dense", "oasiskv"]
+    assert "host_kv_gb" not in ids["vllm:dense"] and "device_tier_gb" not in ids["vllm:dense"]
+    assert "host_kv_gb=8" in ids["vllm:oasiskv+tier"] and "device_tier_gb=1" in ids["vllm:oasiskv+tier"]
+    assert "device_tier_gb" not in ids["oasiskv"] and "host_kv_gb=8" in ids["oasiskv"]
+
+
 def test_cli_engine_flag_and_dry_run(tmp_path):
     r = runner.invoke(app, ["throughput", "--engine", "vllm,embedded", "--modes", "dense,oasiskv", "--model",
                             "smollm2-135m-random", "--context-len", "512", "--concurrency", "2", "--device", "cpu",

@@ -235,6 +235,18 @@ def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, 
         raise typer.Exit(1)
 
 
+def _pool_keys(engine: str, mode: str, common: dict[str, Any], device_tier_gb: float | None) -> dict[str, Any]:
+    """A point's host-pool keys: on vLLM only the host-pool modes take them (plain vLLM and sparse-resident keep no
+    pool: ``host_kv_gb`` is left out of their points rather than refused), with the device tier's GiB."""
+    from oasiskv_runtime.config import Mode
+
+    if engine != "vllm":
+        return {}
+    if not Mode.parse(mode).uses_host_pool:
+        return {"host_kv_gb": None}
+    return {} if device_tier_gb is None else {"device_tier_gb": device_tier_gb}
+
+
 def positive_gb(value: float | None, flag: str) -> float | None:
     """``value`` of a GiB option, exit 2 unless it is positive (the engine's own message speaks in bytes)."""
     if value is not None and not value > 0:
@@ -264,6 +276,10 @@ def throughput_cmd(
     device_tier: Annotated[bool, typer.Option(
         "--device-tier/--no-device-tier", help="Host-pool modes: once the host pool is full, keep further "
         "requests' full KV in the device KV budget (--kv-cache-gb) that their working sets leave free.")] = False,
+    device_tier_gb: Annotated[float | None, typer.Option(
+        "--device-tier-gb", min=0.0, help="--engine vllm, host-pool modes, with --host-kv-gb: GiB of device memory "
+        "beside vLLM's cache for full-KV rows past the host pool's (the plug-in's device tier).",
+        show_default=False)] = None,
     top_k_blocks: Annotated[int | None, engine_option("top_k_blocks", note=TOP_K_NOTE)] = None,
     fetch_ratio: FetchRatioOpt = engine_default("fetch_ratio"),
     link_gbps: LinkGbpsOpt = engine_default("link_gbps"),
@@ -322,7 +338,8 @@ def throughput_cmd(
     if link_gbps:
         common["link_gbps"] = link_gbps
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
-    points = [{**common, "context_len": ctx, "concurrency": c, "engine": e, "mode": m}
+    points = [{**common, "context_len": ctx, "concurrency": c, "engine": e, "mode": m, **_pool_keys(e, m, common,
+                                                                                                  device_tier_gb)}
               for ctx in contexts for c in concurrencies for e in engines for m in mode_list]
     execute(ctx, points, output_dir, suite_name, resume, window=window,
             notes="\n".join(n for n in notes if n) or None, vllm_timeout=vllm_timeout, dry_run=dry_run)
