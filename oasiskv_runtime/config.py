@@ -304,12 +304,15 @@ class SparseConfig:
                              f"{self.top_k_blocks}")
 
     def check_mode(self, mode: Mode) -> None:
-        """The options that apply to some modes only (checked by ``EngineConfig`` and on a running engine)."""
+        """The options that apply to some modes only (checked by ``EngineConfig`` once ``draft`` is resolved, and on
+        a running engine)."""
         if self.selection_score in FULL_KEY_SCORES and mode is not Mode.SPARSE_RESIDENT:
             raise ValueError(f"selection_score={self.selection_score!r} needs mode sparse-resident (it reads every "
                              f"candidate key at every step, so the full KV must be on the device), not {mode.value}")
+        if self.accept_drafts:
+            self._check_accept(mode)
 
-    def check_accept(self, mode: Mode) -> None:
+    def _check_accept(self, mode: Mode) -> None:
         """``accept_drafts`` needs the draft row of oasiskv, every layer sparse (a dense layer does not attend the
         draft row) and a draft that keeps no model state (an n-gram: its next proposal reads only the tokens)."""
         if mode is not Mode.OASISKV:
@@ -435,14 +438,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        self.sparse.check_mode(self.mode)
         if self.sparse.draft == "auto":  # resolved once here, so the engine, PD's checks and reports see it
             from oasiskv_runtime.drafts import resolve_draft
 
             object.__setattr__(self, "sparse", dataclasses.replace(self.sparse,
                                                                    draft=resolve_draft("auto", self.model)))
-        if self.sparse.accept_drafts:
-            self.sparse.check_accept(self.mode)
+        self.sparse.check_mode(self.mode)
 
     @staticmethod
     def options() -> dict[str, OptionSpec]:

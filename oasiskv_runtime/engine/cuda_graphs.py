@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
-from oasiskv_runtime.engine.kv_cache_manager import cdiv
+from oasiskv_runtime.engine.kv_cache_manager import cdiv, token_slot
 from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.sampling_params import SamplingParams
@@ -292,7 +292,7 @@ class DecodeGraphs:
             table = runner.primary_table(seq)
             ids.append(tok)
             pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            slots.append(token_slot(table, p, bs))
             rows.append(static.row(seq.seq_id))
             d = drafts.get(seq.seq_id)
             has_draft.append(d is not None)

@@ -34,6 +34,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def token_slot(table: list[int], pos: int, block_size: int) -> int:
+    """The flat slot (block * block_size + offset) of the token at ``pos`` of a request whose logical blocks are
+    ``table`` (its primary KV: pool blocks in host-pool modes, device blocks otherwise)."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
 @dataclass
 class RequestBlocks:
     device_blocks: list[int] = field(default_factory=list)

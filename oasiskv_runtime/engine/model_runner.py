@@ -10,7 +10,7 @@ import torch
 
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.config import EngineConfig
-from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
+from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, token_slot
 from oasiskv_runtime.engine.sampler import sample
 from oasiskv_runtime.engine.scheduler import SchedulerOutput
 from oasiskv_runtime.engine.sequence import Sequence
@@ -78,7 +78,7 @@ class ModelRunner:
             row0 = len(ids)
             ids += seq.token_slice(start, end)
             pos += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [token_slot(table, p, bs) for p in range(start, end)]
             draft_row = None
             if s.completes and seq.seq_id in drafts:
                 draft_row = len(ids)
@@ -209,7 +209,7 @@ class ModelRunner:
         # step builder: its local-block row and its summary row.
         pos = [sl.context_len for _, _, sl in chosen]
         drafted = [SeqSlice(seq.seq_id, 0, 1, e + 1, self.primary_table(seq)) for (_, seq, _), e in zip(chosen, pos)]
-        slots = [s.block_table[e // bs] * bs + e % bs for s, e in zip(drafted, pos)]
+        slots = [token_slot(s.block_table, e, bs) for s, e in zip(drafted, pos)]
         local = self.sparse_inputs.decode_vectors([s.seq_id for s in drafted], [e + 1 for e in pos]).get("local_rows")
         self.backend.commit_drafts(host_list_to([i for i, _, _ in chosen], torch.long, dev),
                                    host_list_to(slots, torch.long, dev),

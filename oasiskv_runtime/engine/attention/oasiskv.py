@@ -90,8 +90,6 @@ class OasisKVAttention:
             new = dataclasses.replace(getattr(self, section), **{key: value})
             if section == "sparse":
                 new.check_mode(self.mode)
-                if new.accept_drafts:
-                    new.check_accept(self.mode)
             setattr(self, section, new)
         self.predictor.sink_blocks, self.predictor.recent_blocks = self.sparse.sink_blocks, self.sparse.recent_blocks
         self.predictor.selection_score = self.sparse.selection_score
