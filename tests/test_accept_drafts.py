@@ -149,3 +149,15 @@ def test_fill_query_picks_the_row_that_predicts_the_first_working_set(tiny, fill
     assert out == LLM(tiny).generate([prompt], params)[0].token_ids
     with pytest.raises(ValueError, match="fill_query"):
         EngineConfig.from_overrides(tiny, mode="oasiskv", fill_query="first")
+
+
+def test_options_read_at_start_cannot_change_on_a_running_engine(tiny):
+    """``configure`` (A/B runs on one engine) refuses accept_drafts (it sizes the working sets' local blocks) and
+    fill_query (the step builder reads it at start) rather than half-applying them; their own value is a no-op."""
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=8, block_size=4, draft="ngram")
+    be = llm.engine.backend
+    for key, value in (("accept_drafts", True), ("fill_query", "last")):
+        with pytest.raises(ValueError, match=f"{key} is fixed when the engine starts"):
+            be.configure(**{key: value})
+    be.configure(accept_drafts=False, fill_query="draft", fetch_ratio=0.5)
+    assert be.sparse.fetch_ratio == 0.5

@@ -36,6 +36,11 @@ from oasiskv_runtime.transfer.paged_kv import PagedKVCache
 from oasiskv_runtime.transfer.prefill_io import PrefillPoolIO
 
 
+FIXED_AT_START = {"accept_drafts": "it sizes each working set's local blocks",
+                  "fill_query": "the step builder reads it once"}
+"""Algorithm options :meth:`OasisKVAttention.configure` refuses to change, and why."""
+
+
 class OasisKVAttention:
     device_prefill: bool | None = None
     """Prefill (and dense-layer) attention reads the context with device ops only (no host sync, no host-side read
@@ -87,6 +92,9 @@ class OasisKVAttention:
             section = specs[key].section if key in specs else None
             if section not in ("sparse", "kernels", "debug"):
                 raise ValueError(f"{key} cannot change on a running engine")
+            if key in FIXED_AT_START and value != getattr(self.sparse, key):
+                raise ValueError(f"{key} is fixed when the engine starts ({FIXED_AT_START[key]}): start an engine "
+                                 f"per setting")
             new = dataclasses.replace(getattr(self, section), **{key: value})
             if section == "sparse":
                 new.check_mode(self.mode)
