@@ -8,7 +8,7 @@ Parses options, builds an :class:`~oasisbench.runners.accuracy.AccuracyConfig`, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -34,18 +34,22 @@ def _split(text: str | None, cast: type, what: str) -> tuple:
         raise fail(f"{what}: expected a comma-separated list of {cast.__name__} values, got {text!r}") from None
 
 
-def _sweep(text: str | None, flag: str = "--sweep") -> tuple[str, Any] | None:
-    """``--sweep`` KEY=V1,V2,... as (key, the values' text), ``--set`` KEY=VALUE as (key, the value's text): the
-    runner turns them into the option's type."""
+def _sweep(text: str | None) -> tuple[str, tuple[str, ...]] | None:
+    """KEY=V1,V2,... as (key, the values' text): the runner turns them into the option's type."""
     if not text:
         return None
     key, sep, values = text.partition("=")
-    if not sep or (flag == "--set" and not values.strip()):
-        example = "top_k_blocks=64,128,192" if flag == "--sweep" else "accept_drafts=true"
-        raise fail(f"{flag}: expected KEY={'V1,V2,...' if flag == '--sweep' else 'VALUE'} (e.g. {example}), got "
-                   f"{text!r}")
-    key = key.strip().replace("-", "_")
-    return (key, values.strip()) if flag == "--set" else (key, _split(values, str, flag))
+    if not sep:
+        raise fail(f"--sweep: expected KEY=V1,V2,... (e.g. top_k_blocks=64,128,192), got {text!r}")
+    return key.strip().replace("-", "_"), _split(values, str, "--sweep")
+
+
+def _set(text: str) -> tuple[str, str]:
+    """``--set`` KEY=VALUE as (key, the value's text): the runner turns it into the option's type."""
+    key, sep, value = text.partition("=")
+    if not sep or not value.strip():
+        raise fail(f"--set: expected KEY=VALUE (e.g. accept_drafts=true), got {text!r}")
+    return key.strip().replace("-", "_"), value.strip()
 
 
 def _top_k(top_k: int | None, tasks: tuple[str, ...], context_lens: tuple[int, ...],
@@ -175,7 +179,7 @@ def accuracy_cmd(
             dense_layers=dense_layers, recent_blocks=recent_blocks, selection_score=selection_score, draft=draft,
             kv_cache_gb=kv_cache_gb,
             max_num_seqs=max_num_seqs, max_gen_toks=max_gen_toks, sweep=_sweep(sweep),
-            options=tuple(_sweep(x, "--set") for x in set_options or ()), seed=seed,
+            options=tuple(_set(x) for x in set_options or ()), seed=seed,
             output_dir=output_dir, engine=engine)
         outcome = run(cfg, log=lambda m: console.print(f"[dim]{escape(m)}[/]"))
     except MissingDataError as e:

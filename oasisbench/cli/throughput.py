@@ -235,7 +235,7 @@ def execute(ctx: typer.Context, points: list[dict[str, Any]], output_dir: Path, 
         raise typer.Exit(1)
 
 
-def _pool_keys(engine: str, mode: str, common: dict[str, Any], device_tier_gb: float | None) -> dict[str, Any]:
+def _pool_keys(engine: str, mode: str, device_tier_gb: float | None) -> dict[str, Any]:
     """A point's host-pool keys: on vLLM only the host-pool modes take them (plain vLLM and sparse-resident keep no
     pool: ``host_kv_gb`` is left out of their points rather than refused), with the device tier's GiB."""
     from oasiskv_runtime.config import Mode
@@ -338,8 +338,8 @@ def throughput_cmd(
     if link_gbps:
         common["link_gbps"] = link_gbps
     # Modes innermost, as suites expand: all modes of one shape run back to back on the same machine state.
-    points = [{**common, "context_len": ctx, "concurrency": c, "engine": e, "mode": m, **_pool_keys(e, m, common,
-                                                                                                  device_tier_gb)}
+    points = [{**common, "context_len": ctx, "concurrency": c, "engine": e, "mode": m,
+               **_pool_keys(e, m, device_tier_gb)}
               for ctx in contexts for c in concurrencies for e in engines for m in mode_list]
     execute(ctx, points, output_dir, suite_name, resume, window=window,
             notes="\n".join(n for n in notes if n) or None, vllm_timeout=vllm_timeout, dry_run=dry_run)
