@@ -139,8 +139,8 @@ def test_run_points_selects_by_dry_run_number(tmp_path):
     assert r.exit_code == 0, r.output
     assert [line.split()[1:4] for line in r.output.splitlines() if line.startswith("point ")] == [
         ["1/2", "vllm:dense", "ctx=32768"], ["2/2", "vllm:oasiskv", "ctx=32768"]]
-    bad = runner.invoke(app, ["run", str(suite), "--points", "15", "--output-dir", str(tmp_path)])
-    assert bad.exit_code == 2 and "outside the suite's points 1-14" in bad.output and not any(tmp_path.iterdir())
+    bad = runner.invoke(app, ["run", str(suite), "--points", "18", "--output-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "outside the suite's points 1-17" in bad.output and not any(tmp_path.iterdir())
 
 
 def test_a_child_payload_larger_than_the_argument_limit_reaches_the_child():
@@ -160,7 +160,7 @@ def test_committed_vllm_suites_plan():
     assert [series_label(pp.point) for pp in planned] == [
         "vllm:dense", "vllm:dense+ngram", "vllm:oasiskv", "vllm:dense", "vllm:oasiskv", "vllm:dense+ngram", "oasiskv",
         "oasiskv", "vllm:dense", "vllm:oasiskv", "vllm:oasiskv+tier", "vllm:oasiskv+tier", "vllm:dense",
-        "vllm:oasiskv"]
+        "vllm:oasiskv", "vllm:dense+ngram", "vllm:dense", "vllm:oasiskv"]
     # the device tier's points: vLLM's cache, every row's working set and summaries, and the tier's rows keep to
     # plain vLLM's 55 GiB (Qwen3-8B: 144 KiB of KV a token, a block's min/max summaries as much)
     tok = 36 * 8 * 128 * 2 * 2
@@ -175,7 +175,17 @@ def test_committed_vllm_suites_plan():
     assert planned[5].engine.plugin == planned[1].engine.plugin and planned[5].point["context_len"] == 32768
     moe = [pp for pp in planned if pp.point["model"] == "qwen3-30b-a3b"]  # the MoE row: 16K, its own budgets
     assert [(pp.point["context_len"], pp.engine.llm_kwargs["kv_cache_memory_bytes"] >> 30) for pp in moe] == [
-        (16384, 40), (16384, 22)]
+        (16384, 40), (16384, 22), (16384, 40)]
+    assert moe[2].engine.plugin == planned[1].engine.plugin  # the MoE's speculating baseline: vLLM's, none of ours
+    # the 40 GiB variants (13-14 at 16K, 16-17 at 32K): the plug-in's cache + its rows' working sets and summaries
+    # keep to plain vLLM's 40 GiB
+    for dense, oasis in ((planned[12], planned[13]), (planned[15], planned[16])):
+        ctx = oasis.point["context_len"]
+        rows = VllmOptions(**{k: v for k, v in oasis.engine.plugin.items() if k != "draft"}).host_pool_rows(
+            oasis.point["concurrency"], ctx, tok)
+        per_row = (oasis.engine.plugin["top_k_blocks"] + 2) * 16 * tok + ctx // 16 * tok
+        beside = oasis.engine.llm_kwargs["kv_cache_memory_bytes"] + (rows + 1) * per_row
+        assert dense.engine.llm_kwargs["kv_cache_memory_bytes"] == 40 << 30 and beside <= 40 << 30, (ctx, beside)
     # the capacity-tier workload's points (11-14 are its device-tier and 40 GiB variants)
     planned = [pp for pp in planned[:10] if not pp.point["speculate"] and pp.point["model"] == "qwen3-8b"]
     tier = load_suite(SUITES / "paper-qwen3-8b-capacity-tier.yaml").expand()
