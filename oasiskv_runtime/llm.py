@@ -61,11 +61,14 @@ class LLM:
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None,
-                 forced_output_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+                 forced_output_ids: list[list[int]] | None = None,
+                 reference_output_ids: list[list[int]] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs come back in prompt order.
 
         forced_output_ids: teacher forcing per prompt (measurement: the engine computes what it would
         predict, but appends these tokens).
+        reference_output_ids: per prompt, a reference run's continuation that the ``oracle`` draft proposes while
+        the outputs follow it (measurement: the look-ahead of a perfect draft; the outputs are sampled).
         """
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")
@@ -73,12 +76,17 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
+        for name, given in (("forced_output_ids", forced_output_ids), ("reference_output_ids", reference_output_ids)):
+            if given is not None and len(given) != len(prompts):
+                raise ValueError(f"{name}: one list per prompt ({len(prompts)}), got {len(given)}")
         token_ids = [self.encode(p) for p in prompts]
         seqs: list[Sequence] = []
         for i, (ids, p) in enumerate(zip(token_ids, plist)):
             seq = self.engine.add_request(ids, p, request_id=str(i))
             if forced_output_ids is not None:
                 seq.forced_output_ids = list(forced_output_ids[i])
+            if reference_output_ids is not None:
+                seq.reference_output_ids = list(reference_output_ids[i])
             seqs.append(seq)
         while self.engine.has_unfinished():
             for seq in self.engine.step():

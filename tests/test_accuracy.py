@@ -298,6 +298,34 @@ def test_set_options_reach_every_sparse_setting_before_the_sweep(tiny, tmp_path)
         assert not (tmp_path / "bad").exists()
 
 
+def test_oracle_draft_gets_the_dense_anchors_outputs(tiny, tmp_path, monkeypatch):
+    """--draft oracle: the oasiskv setting's look-ahead is the dense anchor's outputs of the same run (a perfect
+    draft while its outputs follow dense's), passed per generation in order; refused where there is no anchor to
+    take them from (lm-eval tasks, the vLLM engine)."""
+    seen = []
+    real = LLM.generate
+
+    def spy(self, prompts, params=None, **kw):
+        seen.append((self.engine.config.mode.value, kw.get("reference_output_ids")))
+        return real(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    cfg = AccuracyConfig(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), context_lens=(400,),
+                         depths=(0.0, 100.0), limit=2, max_gen_toks=3, top_k_blocks=64, draft="oracle",
+                         kv_cache_gb=KV_GB, output_dir=tmp_path)
+    outcome = run(cfg, log=lambda _: None)
+    (_, none), (mode, ref) = seen
+    dense = [json.loads(line) for line in (outcome.path / "samples-dense.jsonl").read_text().splitlines()]
+    assert none is None and mode == "oasiskv" and len(ref) == len(dense) == 2 and all(len(r) == 3 for r in ref)
+    stats = json.loads((outcome.path / "accuracy.json").read_text())["engine_stats"]["oasiskv"]
+    assert stats["draft_accuracy"] == 1.0  # a covering budget follows dense: every proposal is the next token
+    for kw, words in (({"tasks": ("aime24",)}, "NIAH tasks on the embedded engine only"),
+                      ({"engine": "vllm"}, "NIAH tasks on the embedded engine only")):
+        with pytest.raises(ValueError, match=words):
+            AccuracyConfig(**{**dict(tasks=("niah_passkey",), model=tiny, modes=("oasiskv",), draft="oracle",
+                                     output_dir=tmp_path), **kw})
+
+
 def test_sweep_refusals_name_the_key_before_any_engine_runs(tiny, tmp_path):
     base = ["accuracy", "--task", "niah_passkey", "--model", tiny, "--top-k-blocks", "8", "-o", str(tmp_path / "bad")]
     for extra, words in ((["--modes", "oasiskv", "--sweep", "selection_score=quest,attention"],

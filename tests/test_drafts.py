@@ -72,6 +72,24 @@ def test_unknown_draft_and_oracle_without_truth(tiny):
         LLM(tiny, mode="oasiskv", draft="layerskip:9")
 
 
+def test_oracle_proposes_a_reference_run_while_the_outputs_follow_it(tiny, dense):
+    """reference_output_ids (accuracy's `--draft oracle`: dense's outputs): the oracle proposes the reference's next
+    token at every step while the request's outputs equal the reference's; from the first output that differs it
+    proposes nothing. Outputs are sampled, never forced: at a covering budget they stay dense's either way."""
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft="oracle")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, reference_output_ids=dense)] == dense
+    st = llm.engine.stats
+    assert st.num_draft_checked == 2 * GREEDY.max_tokens and st.num_draft_correct == st.num_draft_checked
+    wrong = [list(dense[0]), list(dense[1])]
+    wrong[0][5] = (wrong[0][5] + 1) % 100  # prompt 0's reference leaves its outputs at output 5
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, draft="oracle")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, reference_output_ids=wrong)] == dense
+    st = llm.engine.stats
+    assert (st.num_draft_checked, st.num_draft_correct) == (6 + GREEDY.max_tokens, 5 + GREEDY.max_tokens)
+    with pytest.raises(ValueError, match="reference_output_ids: one list per prompt"):
+        llm.generate(PROMPTS, GREEDY, reference_output_ids=dense[:1])
+
+
 def test_hybrid_takes_ngram_on_a_full_match_and_the_other_draft_elsewhere():
     from oasiskv_runtime.drafts.sources import HybridDraft
     from oasiskv_runtime.engine.sequence import Sequence

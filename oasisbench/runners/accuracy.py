@@ -139,6 +139,11 @@ class AccuracyConfig:
                 raise ValueError(f"{label(mode, setting)}: {e}") from None
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if any(self.oracle(mode, setting) for mode, setting in self.settings()) and (
+                self.engine != "embedded" or any(T.TASKS[n].kind != "niah" for n in self.tasks)):
+            raise ValueError("draft 'oracle' proposes the dense anchor's outputs of the same run as the look-ahead "
+                             "(a perfect draft while the outputs follow dense's): NIAH tasks on the embedded engine "
+                             "only")
         if self.engine == "vllm":
             for mode, setting in self.settings():
                 try:
@@ -159,6 +164,11 @@ class AccuracyConfig:
                 key, values = self.sweep
                 out += [(mode, {**fixed, key: v}) for v in values]
         return out
+
+    def oracle(self, mode: str, setting: dict[str, Any]) -> bool:
+        """Whether a setting drafts with ``oracle`` (alone or behind ``ngram``): it needs the dense anchor's outputs."""
+        draft = setting.get("draft", self.draft)
+        return mode != "dense" and bool(draft) and "oracle" in str(draft).split("+")
 
     def suite_name(self) -> str:
         return "accuracy-" + "+".join(self.tasks if len(self.tasks) <= 3 else (*self.tasks[:3], "more"))
@@ -334,8 +344,12 @@ def _run_lm_eval(cfg: AccuracyConfig, llm: Any, task_dir: Path, names: list[str]
     return samples, lm.throughput()
 
 
-def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str]) -> tuple[list[Sample], dict]:
-    """Every NIAH sample of every task and length as one continuous batch; k generations per prompt."""
+def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str], reference: list[list[int]] | None = None,
+              keep: list[list[int]] | None = None) -> tuple[list[Sample], dict]:
+    """Every NIAH sample of every task and length as one continuous batch; k generations per prompt.
+
+    reference: per generation (in this function's order), a reference run's output tokens for the ``oracle`` draft;
+    keep: a list this run's output tokens are appended to (the reference of a later setting)."""
     from oasiskv_runtime import SamplingParams
 
     from oasisbench.accuracy.niah import encode_prompt, string_match_all
@@ -353,7 +367,9 @@ def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str]) -> tuple[list[Sam
                                          **{k: v for k, v in sampling.items() if k != "do_sample"}))
             prompts.append(ids)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, **({} if reference is None else {"reference_output_ids": reference}))
+    if keep is not None:
+        keep += [list(o.token_ids) for o in outs]
     # On vLLM the generation's own time: the child's wall time also holds the engine start.
     secs = getattr(llm, "generate_seconds", None) or time.perf_counter() - start
     samples = []
@@ -431,6 +447,7 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
     outcome = RunOutcome(store.path)
     samples_by_mode: dict[str, list[str]] = {}
     engine_stats: dict[str, dict[str, Any]] = {}
+    dense_out: list[list[int]] = []  # the anchor's NIAH outputs: the oracle draft's reference
     for i, (mode, setting) in enumerate(cfg.settings()):
         name = label(mode, setting, cfg.engine)
         log(f"[{name}] loading {cfg.model} on {cfg.device}")
@@ -457,7 +474,8 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
             if lm_names:
                 runs.append(_run_lm_eval(cfg, llm, task_dir, lm_names))
             if niah_names:
-                runs.append(_run_niah(cfg, llm, niah_names))
+                runs.append(_run_niah(cfg, llm, niah_names, reference=dense_out if cfg.oracle(mode, setting) else None,
+                                      keep=dense_out if mode == "dense" else None))
             engine_stats[name] = llm.engine.run_stats()
         del llm
         gc.collect()  # one engine's KV pools at a time

@@ -155,18 +155,41 @@ class HybridDraft:
 
 
 class OracleDraft(_NoObserve):
+    """The true next token: the teacher-forced continuation (``forced_output_ids``, recall), or a reference run's
+    (``reference_output_ids``, e.g. dense's, accuracy) for as long as the request's own outputs follow it; once
+    they leave it the request gets no draft (the reference no longer says what comes next)."""
+
     name = "oracle"
+
+    def __init__(self) -> None:
+        self.followed: dict[int, int] = {}
+        """Per request: how many of its outputs were checked against its reference (all equal); -1 once one
+        differed."""
 
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
         out = {}
         for s in seqs:
-            if s.forced_output_ids is None:
-                raise ValueError("the oracle draft needs the true continuation: generate with forced_output_ids "
-                                 "(teacher forcing), as `oasisbench recall` does")
             i = len(s.output_token_ids)  # this step's forward computes the last token and samples output i
-            if i < len(s.forced_output_ids):
-                out[s.seq_id] = s.forced_output_ids[i]
+            truth = s.forced_output_ids
+            if truth is None:
+                truth = getattr(s, "reference_output_ids", None)
+                if truth is None:
+                    raise ValueError("the oracle draft needs the true continuation: generate with forced_output_ids "
+                                     "(teacher forcing, as `oasisbench recall` does) or reference_output_ids (a "
+                                     "reference run's outputs, as `oasisbench accuracy --draft oracle` passes dense's)")
+                done = self.followed.get(s.seq_id, 0)
+                if done >= 0 and i > done:  # the outputs since the last step (two when a draft was accepted)
+                    same = i <= len(truth) and all(s.output_token_ids[j] == truth[j]
+                                                   for j in range(done, i))
+                    done = self.followed[s.seq_id] = i if same else -1
+                if done < 0:
+                    continue
+            if i < len(truth):
+                out[s.seq_id] = truth[i]
         return out
+
+    def free(self, seq_id: int) -> None:
+        self.followed.pop(seq_id, None)
 
 
 class _ContiguousKV:

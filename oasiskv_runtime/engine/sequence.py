@@ -56,6 +56,9 @@ class Sequence:
         self.num_draft_checked = 0
         self.forced_output_ids: list[int] | None = None
         """Teacher forcing: output tokens are taken from here instead of sampled (recall measurement)."""
+        self.reference_output_ids: list[int] | None = None
+        """A reference run's continuation (e.g. dense's) that the ``oracle`` draft proposes while this request's
+        outputs follow it; outputs are sampled as usual (accuracy of a perfect look-ahead)."""
         self.text = ""
         self.stage_kv = False
         """Prefill-decode: keep the prompt's KV staged in the host pool when the request finishes here."""
