@@ -157,7 +157,9 @@ def test_niah_loop_is_stratified_and_deterministic(llm, tiny, tmp_path):
     second, _ = _run_niah(cfg, llm, ["niah_passkey"])
     assert [(s.doc_id, s.responses, s.score) for s in first] == [(s.doc_id, s.responses, s.score) for s in second]
     assert [s.strata["depth"] for s in first] == [0.0, 100.0]
-    outcome = run(cfg, log=lambda _: None)
+    lines = []
+    outcome = run(cfg, log=lines.append)
+    assert any(line.startswith("[dense] 2/2 generations done") for line in lines), lines  # progress of a long run
     rows = {(r["task"], json.dumps(r["stratum"])): r for r in outcome.rows}
     assert ("niah_passkey", "{}") in rows and ("niah_passkey", '{"depth": 100.0}') in rows
     assert all(0.0 <= r["score"] <= 100.0 and r["delta_vs_dense"] == 0.0 for r in outcome.rows)

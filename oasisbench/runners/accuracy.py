@@ -345,11 +345,13 @@ def _run_lm_eval(cfg: AccuracyConfig, llm: Any, task_dir: Path, names: list[str]
 
 
 def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str], reference: list[list[int]] | None = None,
-              keep: list[list[int]] | None = None) -> tuple[list[Sample], dict]:
+              keep: list[list[int]] | None = None, log: Callable[[str], None] | None = None,
+              ) -> tuple[list[Sample], dict]:
     """Every NIAH sample of every task and length as one continuous batch; k generations per prompt.
 
     reference: per generation (in this function's order), a reference run's output tokens for the ``oracle`` draft;
-    keep: a list this run's output tokens are appended to (the reference of a later setting)."""
+    keep: a list this run's output tokens are appended to (the reference of a later setting); log: progress lines
+    (generations done, at most one a minute; the embedded engine: vLLM's child reports its own phases)."""
     from oasiskv_runtime import SamplingParams
 
     from oasisbench.accuracy.niah import encode_prompt, string_match_all
@@ -367,7 +369,19 @@ def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str], reference: list[l
                                          **{k: v for k, v in sampling.items() if k != "do_sample"}))
             prompts.append(ids)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, **({} if reference is None else {"reference_output_ids": reference}))
+    kw: dict[str, Any] = {} if reference is None else {"reference_output_ids": reference}
+    if log is not None and cfg.engine == "embedded":
+        done, shown = [0], [time.perf_counter()]
+
+        def progress(_: Any) -> None:
+            done[0] += 1
+            now = time.perf_counter()
+            if now - shown[0] >= 60 or done[0] == len(prompts):
+                shown[0] = now
+                log(f"{done[0]}/{len(prompts)} generations done ({now - start:.0f} s)")
+
+        kw["on_finish"] = progress
+    outs = llm.generate(prompts, params, **kw)
     if keep is not None:
         keep += [list(o.token_ids) for o in outs]
     # On vLLM the generation's own time: the child's wall time also holds the engine start.
@@ -475,7 +489,8 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
                 runs.append(_run_lm_eval(cfg, llm, task_dir, lm_names))
             if niah_names:
                 runs.append(_run_niah(cfg, llm, niah_names, reference=dense_out if cfg.oracle(mode, setting) else None,
-                                      keep=dense_out if mode == "dense" else None))
+                                      keep=dense_out if mode == "dense" else None,
+                                      log=lambda line, name=name: log(f"[{name}] {line}")))
             engine_stats[name] = llm.engine.run_stats()
         del llm
         gc.collect()  # one engine's KV pools at a time
