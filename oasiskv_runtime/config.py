@@ -285,6 +285,11 @@ class SparseConfig:
     fetch_on_demand_cap: bool = _opt(
         False, "fetch-on-demand: apply the fetch cap too (default: fetch every missing block, as retrieval does).",
         "true or false", lambda v: isinstance(v, bool))
+    demand_fetch: bool = _opt(
+        False, "proxy-prefetch / oasiskv: before a decode step attends, also rank with the step's own query and fetch "
+        "the blocks of that top-K the prefetch missed (every one, on the critical path), so the step attends what "
+        "fetch-on-demand would; the prefetch still moves the rest ahead. A study of issue #34's prediction gap: "
+        "docs/accuracy.md.", "true or false", lambda v: isinstance(v, bool))
     fill_query: str = _opt(
         "draft", "oasiskv: which query predicts the working set filled when a prefill completes: draft (the prefill "
         "step's draft row, a guess of the first decode token's query) or last (the last prompt token's, as the vLLM "
@@ -311,6 +316,10 @@ class SparseConfig:
                              f"candidate key at every step, so the full KV must be on the device), not {mode.value}")
         if self.accept_drafts:
             self._check_accept(mode)
+        if self.demand_fetch and mode not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
+            raise ValueError(f"demand_fetch needs a prefetching mode (proxy-prefetch or oasiskv), not {mode.value}"
+                             + (" (it fetches every missing block on demand already)"
+                                if mode is Mode.FETCH_ON_DEMAND else ""))
 
     def _check_accept(self, mode: Mode) -> None:
         """``accept_drafts`` needs the draft row of oasiskv, every layer sparse (a dense layer does not attend the

@@ -50,13 +50,17 @@ class LookaheadPipeline:
             self.transfer.wait(layer)
 
     def fetch(self, layer: int, batch: DecodeBatch, pred: torch.Tensor, cap: int, initial: bool = False,
-              stream: torch.cuda.Stream | None = None) -> None:
+              stream: torch.cuda.Stream | None = None, demand: bool = False) -> None:
         """Algorithm 2 on every (request, KV head) row of this layer (``cap`` admissions per row, the per-head map
         rewritten in place) and a fixed-size copy plan, in one launch (:func:`select_plan`: no host round trip to
         compact it), then one gather of the admitted blocks; on ``stream`` when given (ordered after the plan),
-        where the layer's event is recorded. ``initial``: the working set's first fill (counted apart)."""
+        where the layer's event is recorded. ``initial``: the working set's first fill, ``demand``: a prefetching
+        mode's misses fetched on demand (``demand_fetch``); both counted apart."""
         c = self.transfer.counters
-        counters = (c.initial,) if initial else (c.fetched[layer], c.deferred[layer], c.req_fetched)
+        if initial or demand:
+            counters = (c.initial,) if initial else (c.demand[layer],)
+        else:
+            counters = (c.fetched[layer], c.deferred[layer], c.req_fetched)
         src, dst, head = select_plan(self.map.slot_map[:, layer], self.map.last_sel[:, layer], batch.state_rows, pred,
                                      cap, batch.step, batch.primary_table, batch.slot_blocks, *counters,
                                      backend=self.transfer.backend if self.kernels.select_kernel else "ref")

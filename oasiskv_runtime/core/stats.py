@@ -61,6 +61,8 @@ class SparseStats:
             "deferred_blocks_per_step": sum(copies["deferred_by_layer"]) / steps,
             "initial_fill_bytes": copies["initial_fill_blocks"] * unit,
             "fetched_blocks_by_layer": list(copies["fetched_by_layer"]),
+            # demand_fetch: the prefetch's misses, fetched before the step attends (on its critical path)
+            "demand_fetched_blocks_per_step": sum(copies.get("demand_by_layer", ())) / steps,
             "prediction_recall": (sum(self.recall_hits) / sum(self.recall_total)) if sum(self.recall_total) else None,
             "recall_per_layer": per_layer if measured else None,
         }

@@ -45,6 +45,8 @@ class TransferCounters:
         """[L] copies admitted / predicted blocks deferred by the cap, per layer (decode steps)."""
         self.initial = z()
         """Copies of initial fills (the working set filled when a prefill completes)."""
+        self.demand = z(num_layers)
+        """[L] copies fetched on demand by prefetching modes with ``demand_fetch`` (the prefetch's misses)."""
         self.req_fetched = z(max_rows)
         """[R] copies per request state row, moved to the host when the request ends."""
         self.step_max, self._total_before = z(), z()
@@ -63,13 +65,15 @@ class TransferCounters:
         return n
 
     def reset(self) -> None:
-        for t in (self.fetched, self.deferred, self.initial, self.req_fetched, self.step_max, self._total_before):
+        for t in (self.fetched, self.deferred, self.initial, self.demand, self.req_fetched, self.step_max,
+                  self._total_before):
             t.zero_()
 
     def totals(self) -> dict:
         """Host copies of the counters (a host sync)."""
         return {"fetched_by_layer": self.fetched.tolist(), "deferred_by_layer": self.deferred.tolist(),
-                "initial_fill_blocks": int(self.initial), "max_step_fetched": int(self.step_max)}
+                "initial_fill_blocks": int(self.initial), "max_step_fetched": int(self.step_max),
+                "demand_by_layer": self.demand.tolist()}
 
 
 class TransferEngine:

@@ -227,12 +227,15 @@ class OasisKVAttention:
         if self.mode is Mode.SPARSE_RESIDENT:
             block_ids = resident_block_ids(self.predictor.predict(layer, q_norm, b, next_step=False), b.primary_table)
         else:
+            if self.debug.measure_recall and self.mode is not Mode.FETCH_ON_DEMAND:  # what the prefetch held
+                self.pipeline.record_recall(layer, b, q_norm)
             if self.mode is Mode.FETCH_ON_DEMAND:
                 pred = self.predictor.predict(layer, q_norm, b, next_step=False)
                 cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
                 self.pipeline.fetch(layer, b, pred, cap)
-            elif self.debug.measure_recall:
-                self.pipeline.record_recall(layer, b, q_norm)
+            elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
+                pred = self.predictor.predict(layer, q_norm, b, next_step=False)
+                self.pipeline.fetch(layer, b, pred, self.sparse.top_k_blocks, demand=True)
             block_ids = self.head_map.block_ids(layer, b)
         if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
             gap = b.derived("gap_i32", lambda: b.gap_block.int()[:, None, None].expand(-1, block_ids.shape[1], 1))
@@ -305,7 +308,7 @@ class OasisKVAttention:
         k = self.kernels
         sp = self.sparse
         return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
-                sp.selection_score, sp.accept_drafts, k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel,
+                sp.selection_score, sp.accept_drafts, sp.demand_fetch, k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel,
                 k.pipeline_priority)
 
     def graph_join(self) -> None:
