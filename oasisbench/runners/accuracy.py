@@ -351,7 +351,8 @@ def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str], reference: list[l
 
     reference: per generation (in this function's order), a reference run's output tokens for the ``oracle`` draft;
     keep: a list this run's output tokens are appended to (the reference of a later setting); log: progress lines
-    (generations done, at most one a minute; the embedded engine: vLLM's child reports its own phases)."""
+    (generations done, at most one a minute; the caller gives it for the embedded engine only: ``on_finish`` is
+    its ``generate``'s, and vLLM's child reports its own phases)."""
     from oasiskv_runtime import SamplingParams
 
     from oasisbench.accuracy.niah import encode_prompt, string_match_all
@@ -370,15 +371,16 @@ def _run_niah(cfg: AccuracyConfig, llm: Any, names: list[str], reference: list[l
             prompts.append(ids)
     start = time.perf_counter()
     kw: dict[str, Any] = {} if reference is None else {"reference_output_ids": reference}
-    if log is not None and cfg.engine == "embedded":
-        done, shown = [0], [time.perf_counter()]
+    if log is not None:
+        done, shown = 0, start
 
         def progress(_: Any) -> None:
-            done[0] += 1
+            nonlocal done, shown
+            done += 1
             now = time.perf_counter()
-            if now - shown[0] >= 60 or done[0] == len(prompts):
-                shown[0] = now
-                log(f"{done[0]}/{len(prompts)} generations done ({now - start:.0f} s)")
+            if now - shown >= 60 or done == len(prompts):
+                shown = now
+                log(f"{done}/{len(prompts)} generations done ({now - start:.0f} s)")
 
         kw["on_finish"] = progress
     outs = llm.generate(prompts, params, **kw)

@@ -57,8 +57,10 @@ class LookaheadPipeline:
         where the layer's event is recorded. ``initial``: the working set's first fill, ``demand``: a prefetching
         mode's misses fetched on demand (``demand_fetch``); both counted apart."""
         c = self.transfer.counters
-        if initial or demand:
-            counters = (c.initial,) if initial else (c.demand[layer],)
+        if initial:
+            counters = (c.initial,)
+        elif demand:
+            counters = (c.demand[layer],)
         else:
             counters = (c.fetched[layer], c.deferred[layer], c.req_fetched)
         src, dst, head = select_plan(self.map.slot_map[:, layer], self.map.last_sel[:, layer], batch.state_rows, pred,

@@ -47,7 +47,7 @@ class SparseStats:
         """The report's traffic and recall figures; ``copies``: :meth:`TransferCounters.totals` (None: no copies,
         e.g. sparse-resident)."""
         copies = copies or {"fetched_by_layer": [0] * self.num_layers, "deferred_by_layer": [0] * self.num_layers,
-                            "initial_fill_blocks": 0, "max_step_fetched": 0}
+                            "initial_fill_blocks": 0, "max_step_fetched": 0, "demand_by_layer": [0] * self.num_layers}
         steps = max(1, self.decode_steps)
         fetched = sum(copies["fetched_by_layer"])
         per_layer = self.recall_per_layer()
@@ -62,7 +62,7 @@ class SparseStats:
             "initial_fill_bytes": copies["initial_fill_blocks"] * unit,
             "fetched_blocks_by_layer": list(copies["fetched_by_layer"]),
             # demand_fetch: the prefetch's misses, fetched before the step attends (on its critical path)
-            "demand_fetched_blocks_per_step": sum(copies.get("demand_by_layer", ())) / steps,
+            "demand_fetched_blocks_per_step": sum(copies["demand_by_layer"]) / steps,
             "prediction_recall": (sum(self.recall_hits) / sum(self.recall_total)) if sum(self.recall_total) else None,
             "recall_per_layer": per_layer if measured else None,
         }

@@ -31,6 +31,8 @@ class Sequence(Protocol):
     seq_id: int
     num_tokens: int
     output_token_ids: list[int]
+    forced_output_ids: list[int] | None
+    reference_output_ids: list[int] | None
 
     def token_at(self, i: int) -> int: ...
 
@@ -172,7 +174,7 @@ class OracleDraft(_NoObserve):
             i = len(s.output_token_ids)  # this step's forward computes the last token and samples output i
             truth = s.forced_output_ids
             if truth is None:
-                truth = getattr(s, "reference_output_ids", None)
+                truth = s.reference_output_ids
                 if truth is None:
                     raise ValueError("the oracle draft needs the true continuation: generate with forced_output_ids "
                                      "(teacher forcing, as `oasisbench recall` does) or reference_output_ids (a "
