@@ -290,6 +290,10 @@ class SparseConfig:
         "the blocks of that top-K the prefetch missed (every one, on the critical path), so the step attends what "
         "fetch-on-demand would; the prefetch still moves the rest ahead. A study of issue #34's prediction gap: "
         "docs/accuracy.md.", "true or false", lambda v: isinstance(v, bool))
+    demand_fetch_cap: int = _opt(
+        0, "demand_fetch: at most this many of the step's own top-K misses fetched on demand per request, layer and KV "
+        "head, the highest-ranked first (0: every miss); bounds the copy on the step's critical path.",
+        "an integer >= 0 (0: every miss)", lambda v: _int(v) and v >= 0)
     fill_query: str = _opt(
         "draft", "oasiskv: which query predicts the working set filled when a prefill completes: draft (the prefill "
         "step's draft row, a guess of the first decode token's query) or last (the last prompt token's, as the vLLM "
@@ -301,6 +305,9 @@ class SparseConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+        if self.demand_fetch_cap and not self.demand_fetch:
+            raise ValueError(f"demand_fetch_cap={self.demand_fetch_cap} needs demand_fetch=true (it bounds what "
+                             "demand_fetch fetches)")
         if self.sink_blocks >= self.top_k_blocks:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
         if self.sink_blocks + self.recent_blocks >= self.top_k_blocks:

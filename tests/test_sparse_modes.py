@@ -74,6 +74,25 @@ def test_demand_fetch_attends_the_steps_own_top_k(tiny):
             LLM(tiny, mode=mode, demand_fetch=True, top_k_blocks=3, block_size=4)
 
 
+def test_demand_fetch_cap_bounds_the_copies_on_the_critical_path(tiny):
+    """demand_fetch_cap: at most that many misses per request, layer and KV head come over on demand (the
+    highest-ranked first); a cap of K is no cap. Refused without demand_fetch."""
+    small = dict(mode="oasiskv", top_k_blocks=3, block_size=4, fetch_ratio=0.34, draft="ngram", kv_cache_gb=0.05,
+                 demand_fetch=True)
+    runs = {}
+    for cap in (0, 3, 1):
+        llm = LLM(tiny, demand_fetch_cap=cap, **small)
+        toks = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        runs[cap] = toks, llm.engine.run_stats()["demand_fetched_blocks_per_step"]
+    cfg = llm.engine.model_config
+    assert runs[3] == runs[0]  # K misses per row at most: every miss
+    bound = cfg.num_layers * cfg.num_kv_heads * len(PROMPTS)  # one block per row and layer a step
+    assert 0 < runs[1][1] <= bound
+    assert runs[1][1] < runs[0][1]  # the uncapped demand fetch moves more than one block in some rows
+    with pytest.raises(ValueError, match="demand_fetch_cap=2 needs demand_fetch=true"):
+        LLM(tiny, mode="oasiskv", top_k_blocks=3, block_size=4, demand_fetch_cap=2)
+
+
 class QuestReference:
     """An independent Quest decode: full KV kept per layer, per-block key min/max recomputed from the keys,
     per-head top-K by the upper bound (group max over the GQA group), plus the active block."""

@@ -235,7 +235,8 @@ class OasisKVAttention:
                 self.pipeline.fetch(layer, b, pred, cap)
             elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
                 pred = self.predictor.predict(layer, q_norm, b, next_step=False)
-                self.pipeline.fetch(layer, b, pred, self.sparse.top_k_blocks, demand=True)
+                self.pipeline.fetch(layer, b, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
+                                    demand=True)
             block_ids = self.head_map.block_ids(layer, b)
         if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
             gap = b.derived("gap_i32", lambda: b.gap_block.int()[:, None, None].expand(-1, block_ids.shape[1], 1))
@@ -308,8 +309,8 @@ class OasisKVAttention:
         k = self.kernels
         sp = self.sparse
         return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
-                sp.selection_score, sp.accept_drafts, sp.demand_fetch, k.gather_ctas, k.gather_copies, k.gather_hint,
-                k.select_kernel, k.pipeline_priority)
+                sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap, k.gather_ctas, k.gather_copies,
+                k.gather_hint, k.select_kernel, k.pipeline_priority)
 
     def graph_join(self) -> None:
         """Make the current stream wait for the background streams (a captured step must end joined)."""
