@@ -170,6 +170,13 @@ def _switch(x: str) -> bool:
     return bool(int(x))
 
 
+def _demand(x: str) -> dict:
+    """``off`` -> no demand fetch; N -> demand_fetch with demand_fetch_cap N (0: every miss of the step's top-K)."""
+    x = x.strip()
+    return {"demand_fetch": False, "demand_fetch_cap": 0} if x == "off" else {"demand_fetch": True,
+                                                                              "demand_fetch_cap": int(x)}
+
+
 #: A/B engine settings of the gathering modes: (option, engine option, type of its values, help).
 VARIANT_OPTIONS = (
     ("--gather-ctas", "gather_ctas", int, "UVA gather grids (0: one CTA per copy), e.g. 32,16"),
@@ -182,6 +189,8 @@ VARIANT_OPTIONS = (
      "CUDA priorities of the prefetch pipeline's streams (lower is higher), e.g. 0,-1"),
     ("--link-gbps", "link_gbps", float, "per-step fetch caps from the link's budget in GB/s (0: the fixed cap), "
      "e.g. 0,30"),
+    ("--demand-fetch", "demand", _demand, "oasiskv's copies of the step's own top-K misses on the critical path "
+     "(off, or demand_fetch_cap N: at most N blocks per request, layer and KV head; 0: every miss), e.g. off,1,2,0"),
 )
 
 
@@ -218,7 +227,10 @@ def main() -> None:
     args.batch_list = [int(x) for x in args.batch.split(",")]
     # Every combination of the A/B options given (an option left out is the engine's default, not a key here).
     choices = [[(key, v) for v in _values(getattr(args, key), cast)] for _flag, key, cast, _text in VARIANT_OPTIONS]
-    variants = [{k: v for k, v in combo if v is not None} for combo in itertools.product(*choices)]
+    # A value that is a dict sets several engine options at once (--demand-fetch: demand_fetch and its cap).
+    variants = [{kk: vv for k, v in combo if v is not None for kk, vv in (v.items() if isinstance(v, dict)
+                                                                       else [(k, v)])}
+                for combo in itertools.product(*choices)]
     fused_list = _values(args.fused_norm_rope, _switch)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
@@ -236,10 +248,12 @@ def main() -> None:
         kv_bytes_per_token = eng.model_config.kv_bytes_per_token(2)
         graphs = eng.runner.graphs
         gathering = mode in ("oasiskv", "fetch-on-demand")  # the modes whose steps run the UVA gather
+        mode_variants = variants if mode == "oasiskv" else list({json.dumps(v, sort_keys=True): v for v in (
+            {k: x for k, x in v.items() if not k.startswith("demand_fetch")} for v in variants)}.values())
         for ctx in [int(x) for x in args.context.split(",")]:
             for batch in args.batch_list:
                 for setting, variant, fused in ((s_, v_, f_) for s_ in graph_settings
-                                                for v_ in (variants if gathering else [{}]) for f_ in fused_list):
+                                                for v_ in (mode_variants if gathering else [{}]) for f_ in fused_list):
                     eng.runner.graphs = graphs if setting == "auto" else None
                     point = {"mode": mode, "batch": batch, "context": ctx, "cuda_graphs": setting, **variant}
                     if variant:
@@ -269,6 +283,7 @@ def main() -> None:
                         point.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms,
                                      fetched_bytes_per_step=st["fetched_bytes_per_step"],
                                      deferred_blocks_per_step=st["deferred_blocks_per_step"],
+                                     demand_fetched_blocks_per_step=st.get("demand_fetched_blocks_per_step"),
                                      mean_fetch_cap=st.get("mean_fetch_cap"),
                                      pcie_budget_bytes_per_step=50e9 * ms / 1e3,
                                      dense_kv_bytes=batch * ctx * kv_bytes_per_token, steps=steps)
@@ -283,8 +298,8 @@ def main() -> None:
                     print(json.dumps(point), flush=True)
                     save()
         eng.runner.graphs = graphs
-        if gathering and variants[0]:
-            eng.backend.configure(**variants[0])  # the fetch-ratio sweep's settings
+        if gathering and mode_variants[0]:
+            eng.backend.configure(**mode_variants[0])  # the fetch-ratio sweep's settings
         if mode == "oasiskv" and args.sweep:
             batch, ctx = (int(x) for x in args.sweep_shape.split(","))
             for ratio in [float(x) for x in args.sweep.split(",")]:

@@ -11,6 +11,10 @@
 #   GROUP=eighth     issue #34 at 1/8 of the context with block size 8 (2K: K = 32, 4K: K = 64), n-gram draft: per
 #                    length, sparse-resident by Quest and by true attention mass (the ceiling), and oasiskv with
 #                    and without demand_fetch
+#   GROUP=levers     the same 1/8 points: oasiskv's fetch cap (fetch_ratio 0.25, 1.0), the oracle draft (dense's next
+#                    token) at fetch_ratio 0.05 and 1.0, and a bounded demand fetch (demand_fetch_cap 1, 2)
+#   GROUP=quarter    1/4 of the context with block size 8 (2K: K = 64, 4K: K = 128): sparse-resident and oasiskv,
+#                    then oasiskv with demand_fetch_cap 2
 # Each accuracy command's run directory goes into $OUT/<group>.tar.gz (re-packed every 20 s, so a call that runs out
 # of time returns what finished); report lines go to $OUT/<group>.log.
 set -u
@@ -55,6 +59,23 @@ case ${GROUP:-budget} in
             acc "select-$CTX" "${ACC_S:-150}" --modes sparse-resident --top-k-blocks "${pair##*:}" --set block_size=8 \
               --sweep selection_score=quest,attention
           done ;;
+  levers) DRAFT=ngram
+          for pair in 2048:32 4096:64; do
+            CTX=${pair%%:*} K=${pair##*:}
+            acc "cap-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
+              --sweep fetch_ratio=0.25,1.0
+            DRAFT=oracle acc "oracle-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
+              --sweep fetch_ratio=0.05,1.0
+            acc "dcap-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
+              --set demand_fetch=true --sweep demand_fetch_cap=1,2
+          done ;;
+  quarter) DRAFT=ngram
+           for pair in 2048:64 4096:128; do
+             CTX=${pair%%:*} K=${pair##*:}
+             acc "modes-$CTX" "${ACC_S:-150}" --modes sparse-resident,oasiskv --top-k-blocks "$K" --set block_size=8
+             acc "dcap-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
+               --set demand_fetch=true --sweep demand_fetch_cap=2
+           done ;;
   fixes) acc recent "${ACC_S:-400}" --modes dense,sparse-resident,oasiskv --top-k-blocks 32 --sweep recent_blocks=2,4 ;;
 esac
 kill $packer 2>/dev/null; pack

@@ -93,6 +93,25 @@ def test_demand_fetch_cap_bounds_the_copies_on_the_critical_path(tiny):
         LLM(tiny, mode="oasiskv", top_k_blocks=3, block_size=4, demand_fetch_cap=2)
 
 
+@pytest.mark.slow
+def test_demand_fetch_switches_on_a_running_engine(tiny):
+    """configure() takes options that check each other in one call (bench/bench_decode.py's --demand-fetch A/B:
+    demand_fetch_cap needs demand_fetch, in either order of switching), and a running engine switched to a setting
+    generates what an engine started with it does."""
+    small = dict(mode="oasiskv", top_k_blocks=3, block_size=4, fetch_ratio=0.34, draft="ngram", kv_cache_gb=0.05)
+    started = [o.token_ids for o in LLM(tiny, demand_fetch=True, demand_fetch_cap=1, **small).generate(PROMPTS, GREEDY)]
+    llm = LLM(tiny, **small)
+    plain = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert plain != started  # the setting changes the tokens here: the switch below can be seen
+    be = llm.engine.backend
+    be.configure(demand_fetch=True, demand_fetch_cap=1)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == started
+    be.configure(demand_fetch=False, demand_fetch_cap=0)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+    with pytest.raises(ValueError, match="needs demand_fetch=true"):
+        be.configure(demand_fetch_cap=2)
+
+
 class QuestReference:
     """An independent Quest decode: full KV kept per layer, per-block key min/max recomputed from the keys,
     per-head top-K by the upper bound (group max over the GQA group), plus the active block."""

@@ -88,6 +88,7 @@ class OasisKVAttention:
     def configure(self, **options) -> None:
         """Change sparse / kernel / debug options between steps (A/B benchmarks on one engine)."""
         specs = EngineConfig.options()
+        by_section: dict[str, dict] = {}
         for key, value in options.items():
             section = specs[key].section if key in specs else None
             if section not in ("sparse", "kernels", "debug"):
@@ -95,7 +96,9 @@ class OasisKVAttention:
             if key in FIXED_AT_START and value != getattr(self.sparse, key):
                 raise ValueError(f"{key} is fixed when the engine starts ({FIXED_AT_START[key]}): start an engine "
                                  f"per setting")
-            new = dataclasses.replace(getattr(self, section), **{key: value})
+            by_section.setdefault(section, {})[key] = value
+        for section, changes in by_section.items():  # one replace per section: options that check each other
+            new = dataclasses.replace(getattr(self, section), **changes)  # (demand_fetch_cap needs demand_fetch)
             if section == "sparse":
                 new.check_mode(self.mode)
             setattr(self, section, new)
