@@ -12,7 +12,9 @@
 #                    length, sparse-resident by Quest and by true attention mass (the ceiling), and oasiskv with
 #                    and without demand_fetch
 #   GROUP=levers     the same 1/8 points: oasiskv's fetch cap (fetch_ratio 0.25, 1.0), the oracle draft (dense's next
-#                    token) at fetch_ratio 0.05 and 1.0, and a bounded demand fetch (demand_fetch_cap 1, 2)
+#                    token) at fetch_ratio 0.05 and 1.0, a bounded demand fetch (demand_fetch_cap 1, 2), and the
+#                    n-gram draft proposing only on suffix matches of 2+ tokens (ngram:3:2) at fetch_ratio 0.05, 0.25;
+#                    PAIRS="2048:32" (length:K, default both) runs one length
 #   GROUP=quarter    1/4 of the context with block size 8 (2K: K = 64, 4K: K = 128): sparse-resident and oasiskv,
 #                    then oasiskv with demand_fetch_cap 2
 # Each accuracy command's run directory goes into $OUT/<group>.tar.gz (re-packed every 20 s, so a call that runs out
@@ -60,7 +62,7 @@ case ${GROUP:-budget} in
               --sweep selection_score=quest,attention
           done ;;
   levers) DRAFT=ngram
-          for pair in 2048:32 4096:64; do
+          for pair in ${PAIRS:-2048:32 4096:64}; do
             CTX=${pair%%:*} K=${pair##*:}
             acc "cap-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
               --sweep fetch_ratio=0.25,1.0
@@ -68,6 +70,8 @@ case ${GROUP:-budget} in
               --sweep fetch_ratio=0.05,1.0
             acc "dcap-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
               --set demand_fetch=true --sweep demand_fetch_cap=1,2
+            DRAFT=ngram:3:2 acc "minmatch-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
+              --sweep fetch_ratio=0.05,0.25
           done ;;
   quarter) DRAFT=ngram
            for pair in 2048:64 4096:128; do

@@ -259,8 +259,9 @@ class SparseConfig:
     fetch_ratio: float = _opt(0.05, "Per-step admission cap C = ceil(fetch_ratio * top_k_blocks) per KV head.",
                               "in (0, 1]", lambda v: _num(v) and 0.0 < v <= 1.0)
     draft: str = _opt("auto", "Draft of oasiskv's look-ahead row: auto (the model's shipped head behind the n-gram "
-                      "draft where one ships, else ngram), ngram[:N], layerskip[:N], model:<path>, eagle3:<path>, "
-                      "oracle, or ngram[:N]+<one of those>.", "a draft source name",
+                      "draft where one ships, else ngram), ngram[:N[:M]] (M: the shortest suffix match that proposes), "
+                      "layerskip[:N], model:<path>, eagle3:<path>, oracle, or ngram[:N]+<one of those>.",
+                      "a draft source name",
                       lambda v: isinstance(v, str) and bool(v))
     sink_blocks: int = _opt(0, "Leading blocks every prediction keeps (attention sinks).",
                             "in [0, top_k_blocks)", lambda v: _int(v) and v >= 0)

@@ -167,3 +167,32 @@ def test_auto_draft_is_the_shipped_head_behind_ngram_where_one_ships(tiny, tmp_p
     assert EngineConfig("smollm2-135m").sparse.draft == f"ngram+eagle3:{head}"  # built directly too
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=4, block_size=4)
     assert llm.engine.config.sparse.draft == "ngram"
+
+
+def test_ngram_minimum_match_proposes_only_on_a_long_enough_suffix(tiny):
+    """``ngram:N:M``: no guess where the longest earlier suffix match is shorter than M tokens, the plain n-gram's
+    guess elsewhere; built from its name by the engine; M outside [1, N] is refused."""
+    from oasiskv_runtime.engine.sequence import Sequence
+    from oasiskv_runtime.sampling_params import SamplingParams
+
+    rng = random.Random(5)
+    seqs = [Sequence([rng.randrange(7) for _ in range(n)], SamplingParams()) for n in (3, 30, 60)]
+    plain, strict = NgramDraft(3), NgramDraft(3, 2)
+    dropped = kept = 0
+    for _ in range(40):
+        for s in seqs:
+            s.output_token_ids.append(rng.randrange(7))
+        a, b = plain.propose(seqs), strict.propose(seqs)
+        for s in seqs:
+            want, n = _ngram_brute(s.all_token_ids, 3)
+            assert a.get(s.seq_id) == want
+            assert b.get(s.seq_id) == (want if n >= 2 else None), (n, want, b.get(s.seq_id))
+            dropped += want is not None and n < 2
+            kept += n >= 2
+    assert dropped > 0 and kept > 0  # both cases occur in this data
+    assert strict.name == "ngram:3:2" and plain.name == "ngram:3"
+    with pytest.raises(ValueError, match="minimum match must be in"):
+        NgramDraft(3, 4)
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=2, block_size=4, draft="ngram:3:2")
+    llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.drafter.name == "ngram:3:2"

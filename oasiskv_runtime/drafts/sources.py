@@ -4,7 +4,8 @@ A draft source guesses the token AFTER the one a request computes this step, bef
 guess rides along as the draft row of look-ahead attention; its query predicts the next step's blocks.
 Drafts are never accepted here (the target's own token is always kept), so a draft only steers selection.
 
-- ``ngram[:N]``: prompt lookup over the request's own tokens (longest suffix match up to N, default 3).
+- ``ngram[:N[:M]]``: prompt lookup over the request's own tokens (longest suffix match up to N, default 3); with M,
+  no guess when the longest match is shorter than M tokens (the step then predicts from the token's own row).
 - ``layerskip[:N]``: the target's first N layers (default half) + its final norm and LM head; training-free
   self-drafting with its own dense KV for those layers.
 - ``model:<path>``: a small model sharing the tokenizer, with its own dense KV.
@@ -75,9 +76,11 @@ class _NoObserve:
 class NgramDraft(_NoObserve):
     """Prompt lookup with an incremental n-gram index per request: O(max_n) work per new token."""
 
-    def __init__(self, max_n: int = 3) -> None:
-        self.name = f"ngram:{max_n}"
-        self.max_n = max_n
+    def __init__(self, max_n: int = 3, min_match: int = 1) -> None:
+        if not 1 <= min_match <= max_n:
+            raise ValueError(f"ngram:{max_n}:{min_match}: the minimum match must be in [1, {max_n}]")
+        self.name = f"ngram:{max_n}" + (f":{min_match}" if min_match > 1 else "")
+        self.max_n, self.min_match = max_n, min_match
         self.index: dict[int, tuple[int, dict[tuple[int, ...], int]]] = {}
 
     def propose_one(self, tokens: list[int], state: tuple[int, dict] | None = None) -> int | None:
@@ -117,8 +120,9 @@ class NgramDraft(_NoObserve):
                 return at(nxt)
         return None
 
-    def propose(self, seqs: list[Sequence], min_match: int = 1) -> dict[int, int]:
-        """Guesses whose suffix match is at least ``min_match`` tokens long."""
+    def propose(self, seqs: list[Sequence], min_match: int | None = None) -> dict[int, int]:
+        """Guesses whose suffix match is at least ``min_match`` tokens long (default: the source's own)."""
+        min_match = self.min_match if min_match is None else min_match
         out = {}
         for s in seqs:
             # token_at / token_slice: `all_token_ids` would copy each request's whole context every step (~1M list
@@ -343,7 +347,8 @@ def make_draft_source(spec: str, engine: DraftTarget) -> Any:
     mc = engine.model_config
     device = torch.device(engine.config.device)
     if kind == "ngram":
-        return NgramDraft(int(arg) if arg else 3)
+        n, _, m = arg.partition(":")
+        return NgramDraft(int(n) if n else 3, int(m) if m else 1)
     if kind == "oracle":
         return OracleDraft()
     if kind == "layerskip":
