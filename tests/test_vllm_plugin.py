@@ -670,6 +670,8 @@ def test_speculative_config_one_token():
     assert speculative_config("none") is None and speculative_config(None) is None
     with pytest.raises(ValueError):
         speculative_config("layerskip:4")
+    with pytest.raises(ValueError, match="minimum match"):
+        speculative_config("ngram:3:2")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ def speculative_config(draft: str | None) -> dict[str, Any] | None:
         return None
     kind, _, arg = draft.partition(":")
     if kind in ("ngram", "vllm-ngram"):
+        if ":" in arg:
+            raise ValueError(f"draft {draft!r}: the n-gram draft's minimum match (ngram:N:M) is an embedded-engine "
+                             "study setting with no vLLM proposer yet; use ngram[:N]")
         max_n = int(arg) if arg else 3
         if max_n < 1:
             raise ValueError(f"draft {draft!r}: N must be >= 1")
