@@ -243,7 +243,7 @@ class CacheConfig:
         _validate(self)
 
 
-SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss")
+SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank")
 """What ranks candidate blocks (``SparseConfig.selection_score``)."""
 
 FULL_KEY_SCORES = ("attention", "gauss")
@@ -273,10 +273,12 @@ class SparseConfig:
         "quest", "What ranks the candidate blocks: quest (an upper bound of q.k from each block's key min/max), "
         "minmax_mass (an estimate of each block's attention mass from the same min/max, every mode; keeps more mass "
         "offline but scored under quest on NIAH: docs/accuracy.md), attention (the step's true softmax attention "
-        "mass on each block, summed over the GQA group: the exact top-K, a study ceiling; sparse-resident only) or "
+        "mass on each block, summed over the GQA group: the exact top-K, a study ceiling; sparse-resident only), "
         "gauss (the Gaussian log-mass of each block's key mean and variance, computed from every key at every step: a "
-        "study of summaries the engine does not keep; sparse-resident only).",
-        "quest, minmax_mass, attention or gauss", lambda v: v in SELECTION_SCORES)
+        "study of summaries the engine does not keep; sparse-resident only) or quest_rank (Quest's bound per query "
+        "head, a KV head's selection shared among its query heads by each one's ranking instead of the bounds' group "
+        "max; every mode, a study setting).",
+        "quest, minmax_mass, attention, gauss or quest_rank", lambda v: v in SELECTION_SCORES)
     dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
                              "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)
     link_gbps: float = _opt(

@@ -11,6 +11,8 @@ no summary-based selection can beat): it reads the full keys through ``batch.pri
 the device (sparse-resident); ``keys`` are the per-layer key caches that table indexes.
 ``selection_score="minmax_mass"`` ranks by an estimate of that mass from the same min/max summaries
 (:func:`minmax_mass_scores`, attention's ``scale`` included), so it runs in every mode.
+``selection_score="quest_rank"`` shares a KV head's selection among its query heads by each head's rank under its
+own Quest bound (:func:`quest_rank_scores`) instead of the bounds' group max; summaries only, every mode.
 ``selection_score="gauss"`` ranks by the Gaussian log-mass of each block's key mean and variance
 (:func:`gauss_mass_scores`), computed from the full keys like ``attention`` (a study of a ranking whose summaries the
 engine does not keep): sparse-resident only.
@@ -24,7 +26,7 @@ from oasiskv_runtime.core.batch import DecodeBatch
 from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.attention_mass import block_attention_mass
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
-from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_scores, rank_topk
+from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_rank_scores, quest_scores, rank_topk
 
 
 class Predictor:
@@ -53,6 +55,10 @@ class Predictor:
         elif self.selection_score == "gauss":
             scores = gauss_mass_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
                                        self.scale, max_candidates)
+        elif self.selection_score == "quest_rank":
+            sum_min, sum_max = self.summaries.read(layer)
+            scores = quest_rank_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
+                                       max_candidates)
         elif self.selection_score == "minmax_mass":
             sum_min, sum_max = self.summaries.read(layer)
             scores = minmax_mass_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,

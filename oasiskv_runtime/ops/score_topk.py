@@ -128,6 +128,36 @@ def quest_scores_ref(q, sum_min, sum_max, summary_block_table, num_candidates, n
     return out.masked_fill(~ok.unsqueeze(1), float("-inf"))
 
 
+def quest_rank_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
+                      max_candidates: Optional[int] = None) -> torch.Tensor:
+    """fp32 ``[B, Hkv, J]`` scores that share a KV head's selection among its query heads by RANK, not by the
+    bound's value: each query head ranks the candidates by its own Quest bound, a block's score is minus its best
+    rank over the group (ties: the higher group-max bound first, by a term under one rank), so top-K takes every
+    head's best block before any head's second. Quest's group MAX compares bounds across heads, so a head with a
+    large ``|q|`` or wide keys can fill the K with its blocks while another head's best block stays out.
+    ``-inf`` beyond num_candidates. Plain PyTorch on every device, no host read (a CUDA graph can capture it)."""
+    B, Hkv = q.shape[0], int(num_kv_heads)
+    got = _gather_summaries(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads, max_candidates)
+    if got is None:
+        return torch.empty((B, Hkv, 0), dtype=torch.float32, device=q.device)
+    qf, mn, mx, ok = got
+    J = ok.shape[1]
+    out = torch.empty((B, Hkv, J), dtype=torch.float32, device=q.device)
+    cols = torch.arange(J, device=q.device, dtype=torch.float32)
+    for h in range(Hkv):
+        qh = qf[:, h].unsqueeze(2)                                                   # [B, g, 1, D]
+        bound = torch.maximum(qh * mn[:, :, h].unsqueeze(1), qh * mx[:, :, h].unsqueeze(1)).sum(-1)  # [B, g, J]
+        bound = bound.masked_fill(~ok.unsqueeze(1), float("-inf"))
+        order = bound.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(bound).scatter_(-1, order, cols.expand_as(bound))   # 0 = the head's best
+        best = bound.amax(dim=1)                                                     # [B, J] Quest's group max
+        lo = best.masked_fill(~ok, float("inf")).amin(-1, keepdim=True)
+        hi = best.masked_fill(~ok, float("-inf")).amax(-1, keepdim=True)
+        tie = (best - lo) / (hi - lo).clamp_min(1e-30) * 0.5                         # [0, 0.5]: under one rank
+        out[:, h] = -rank.amin(dim=1) + tie.nan_to_num(0.0)
+    return out.masked_fill(~ok.unsqueeze(1), float("-inf"))
+
+
 def minmax_mass_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads, scale: float,
                        max_candidates: Optional[int] = None) -> torch.Tensor:
     """fp32 ``[B, Hkv, J]`` scores estimating each block's log attention mass from its key min/max (the same
