@@ -91,3 +91,10 @@ def test_quest_rank_in_the_engine(tiny):
     quest = [o.token_ids for o in LLM(tiny, **small).generate(prompts, greedy)]
     ranked = [o.token_ids for o in LLM(tiny, selection_score="quest_rank", **small).generate(prompts, greedy)]
     assert ranked != quest
+
+
+def test_quest_rank_is_refused_on_vllm_by_name():
+    from oasiskv_runtime.vllm.options import VllmOptions
+
+    with pytest.raises(ValueError, match="selection_score 'quest_rank' does not run on vLLM.*quest_rank was measured"):
+        VllmOptions(mode="sparse-resident", selection_score="quest_rank")
