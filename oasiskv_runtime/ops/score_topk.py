@@ -111,6 +111,14 @@ def _gather_summaries(q, sum_min, sum_max, summary_block_table, num_candidates, 
     return q.float().view(B, Hkv, Hq // Hkv, D), sum_min[pages, rows].float(), sum_max[pages, rows].float(), ok
 
 
+def _head_quest_bounds(qf: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, h: int) -> torch.Tensor:
+    """Quest's bound ``sum_d max(q_d * min_d, q_d * max_d)`` of KV head ``h``'s query heads over the candidates:
+    ``[B, g, J]`` from :func:`_gather_summaries`'s rows (one KV head at a time keeps the ``[B, g, J, D]`` temporary
+    small)."""
+    qh = qf[:, h].unsqueeze(2)  # [B, g, 1, D]
+    return torch.maximum(qh * mn[:, :, h].unsqueeze(1), qh * mx[:, :, h].unsqueeze(1)).sum(-1)
+
+
 def quest_scores_ref(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
                      max_candidates: Optional[int] = None) -> torch.Tensor:
     """fp32 group-max Quest scores ``[B, Hkv, J]``; ``-inf`` beyond num_candidates."""
@@ -120,11 +128,8 @@ def quest_scores_ref(q, sum_min, sum_max, summary_block_table, num_candidates, n
         return torch.empty((B, Hkv, 0), dtype=torch.float32, device=q.device)
     qf, mn, mx, ok = got
     out = torch.empty((B, Hkv, ok.shape[1]), dtype=torch.float32, device=q.device)
-    for h in range(Hkv):  # one head at a time keeps the [B, g, J, D] temporary small
-        qh = qf[:, h].unsqueeze(2)  # [B, g, 1, D]
-        a = qh * mn[:, :, h].unsqueeze(1)
-        b = qh * mx[:, :, h].unsqueeze(1)
-        out[:, h] = torch.maximum(a, b).sum(-1).amax(dim=1)
+    for h in range(Hkv):
+        out[:, h] = _head_quest_bounds(qf, mn, mx, h).amax(dim=1)
     return out.masked_fill(~ok.unsqueeze(1), float("-inf"))
 
 
@@ -145,9 +150,7 @@ def quest_rank_scores(q, sum_min, sum_max, summary_block_table, num_candidates, 
     out = torch.empty((B, Hkv, J), dtype=torch.float32, device=q.device)
     cols = torch.arange(J, device=q.device, dtype=torch.float32)
     for h in range(Hkv):
-        qh = qf[:, h].unsqueeze(2)                                                   # [B, g, 1, D]
-        bound = torch.maximum(qh * mn[:, :, h].unsqueeze(1), qh * mx[:, :, h].unsqueeze(1)).sum(-1)  # [B, g, J]
-        bound = bound.masked_fill(~ok.unsqueeze(1), float("-inf"))
+        bound = _head_quest_bounds(qf, mn, mx, h).masked_fill(~ok.unsqueeze(1), float("-inf"))  # [B, g, J]
         order = bound.argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(bound).scatter_(-1, order, cols.expand_as(bound))   # 0 = the head's best
         best = bound.amax(dim=1)                                                     # [B, J] Quest's group max
