@@ -17,6 +17,10 @@
 #                    PAIRS="2048:32" (length:K, default both) runs one length
 #   GROUP=quarter    1/4 of the context with block size 8 (2K: K = 64, 4K: K = 128): sparse-resident and oasiskv,
 #                    then oasiskv with demand_fetch_cap 2
+#   GROUP=attended   attention feedback (attended_blocks: the blocks a step's attention weighed most, kept by the next
+#                    prediction) at block size 8, n-gram draft, per PAIRS length:K (default the 1/8 points 2048:32
+#                    4096:64): sparse-resident and oasiskv with attended_blocks ATT (default K/4,K/2 as "8,16" for
+#                    K = 32; set ATT per call for one length)
 # Each accuracy command's run directory goes into $OUT/<group>.tar.gz (re-packed every 20 s, so a call that runs out
 # of time returns what finished); report lines go to $OUT/<group>.log.
 set -u
@@ -80,6 +84,12 @@ case ${GROUP:-budget} in
              acc "dcap-$CTX" "${ACC_S:-150}" --modes oasiskv --top-k-blocks "$K" --set block_size=8 \
                --set demand_fetch=true --sweep demand_fetch_cap=2
            done ;;
+  attended) DRAFT=ngram
+            for pair in ${PAIRS:-2048:32 4096:64}; do
+              CTX=${pair%%:*} K=${pair##*:}
+              acc "attended-$CTX-$K" "${ACC_S:-200}" --modes sparse-resident,oasiskv --top-k-blocks "$K" \
+                --set block_size=8 ${EXTRA:-} --sweep "attended_blocks=${ATT:-$((K / 4)),$((K / 2))}"
+            done ;;
   fixes) acc recent "${ACC_S:-400}" --modes dense,sparse-resident,oasiskv --top-k-blocks 32 --sweep recent_blocks=2,4 ;;
 esac
 kill $packer 2>/dev/null; pack

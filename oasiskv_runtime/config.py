@@ -269,6 +269,12 @@ class SparseConfig:
                               "recent window; counted in top_k_blocks, like sink_blocks).",
                               "an integer >= 0 (sink_blocks + recent_blocks < top_k_blocks)",
                               lambda v: _int(v) and v >= 0)
+    attended_blocks: int = _opt(
+        0, "The N blocks of each KV head's working set that held the most of a decode step's attention, kept by the "
+        "next prediction whatever their score (counted in top_k_blocks, like sink_blocks; already resident, so they "
+        "cost no fetch). A study of issue #34: docs/accuracy.md.",
+        "an integer >= 0 (sink_blocks + recent_blocks + attended_blocks < top_k_blocks)",
+        lambda v: _int(v) and v >= 0)
     selection_score: str = _opt(
         "quest", "What ranks the candidate blocks: quest (an upper bound of q.k from each block's key min/max), "
         "minmax_mass (an estimate of each block's attention mass from the same min/max, every mode; keeps more mass "
@@ -313,10 +319,10 @@ class SparseConfig:
                              "demand_fetch fetches)")
         if self.sink_blocks >= self.top_k_blocks:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
-        if self.sink_blocks + self.recent_blocks >= self.top_k_blocks:
-            raise ValueError(f"sink_blocks + recent_blocks must be < top_k_blocks (a prediction must choose at "
-                             f"least one block), got {self.sink_blocks} + {self.recent_blocks} with top_k_blocks "
-                             f"{self.top_k_blocks}")
+        if self.sink_blocks + self.recent_blocks + self.attended_blocks >= self.top_k_blocks:
+            raise ValueError(f"sink_blocks + recent_blocks + attended_blocks must be < top_k_blocks (a prediction must "
+                             f"choose at least one block), got {self.sink_blocks} + {self.recent_blocks} + "
+                             f"{self.attended_blocks} with top_k_blocks {self.top_k_blocks}")
 
     def check_mode(self, mode: Mode) -> None:
         """The options that apply to some modes only (checked by ``EngineConfig`` once ``draft`` is resolved, and on

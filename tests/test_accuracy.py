@@ -335,7 +335,7 @@ def test_sweep_refusals_name_the_key_before_any_engine_runs(tiny, tmp_path):
                          (["--modes", "sparse-resident", "--sweep", "selection_score=exact"],
                           ("selection_score must be quest, minmax_mass, attention, gauss or quest_rank",)),
                          (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=0,8"],
-                          ("recent_blocks must be < top_k_blocks",)),
+                          ("recent_blocks + attended_blocks must be < top_k_blocks",)),
                          (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=1.5"], ("is not an integer",)),
                          (["--modes", "proxy-prefetch", "--sweep", "recent=1"], ("recent_blocks", "selection_score"))):
         r = runner.invoke(app, base + extra, env={"COLUMNS": "400"})

@@ -255,7 +255,7 @@ def test_sink_blocks_always_resident(tiny):
     assert bool((smap == 0).any(-1).all())             # block 0 resident for every layer and head
     with pytest.raises(ValueError, match="sink_blocks"):
         LLM(tiny, mode="oasiskv", top_k_blocks=2, sink_blocks=2)
-    with pytest.raises(ValueError, match="sink_blocks \\+ recent_blocks must be < top_k_blocks"):
+    with pytest.raises(ValueError, match="sink_blocks \\+ recent_blocks \\+ attended_blocks must be < top_k_blocks"):
         LLM(tiny, mode="oasiskv", top_k_blocks=3, sink_blocks=1, recent_blocks=2)
     with pytest.raises(ValueError, match="dense_layers"):
         LLM(tiny, mode="oasiskv", dense_layers=7)

@@ -19,13 +19,17 @@ class HeadMap:
     working set is the whole device-resident context: ``with_map=False``)."""
 
     def __init__(self, max_rows: int, num_layers: int, num_kv_heads: int, k_slots: int, device: torch.device,
-                 with_map: bool = True) -> None:
+                 with_map: bool = True, attended_blocks: int = 0) -> None:
         self.k_slots = k_slots
         shape = (max_rows, num_layers, num_kv_heads, k_slots)
         self.slot_map = torch.full(shape, -1, dtype=torch.long, device=device) if with_map else None
         """Logical block held by each working-set slot, -1 empty."""
         self.last_sel = torch.full(shape, -1, dtype=torch.long, device=device) if with_map else None
         """Step at which each slot's block was last selected or admitted, -1 never."""
+        self.attended = torch.full(shape[:3] + (attended_blocks,), -1, dtype=torch.long, device=device) \
+            if attended_blocks else None
+        """``attended_blocks``: per request, layer and KV head, the logical blocks that held the most of the last
+        decode step's attention, most first (-1: none); every mode (sparse-resident too)."""
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_rows))
         self.ready: set[int] = set()
@@ -49,6 +53,8 @@ class HeadMap:
         if self.slot_map is not None:
             self.slot_map[row] = -1
             self.last_sel[row] = -1
+        if self.attended is not None:
+            self.attended[row] = -1
         self.free_rows.append(row)
         return row
 
@@ -58,6 +64,22 @@ class HeadMap:
         # sync in the middle of the layer loop.
         self.slot_map[:, layer].index_fill_(0, rows, -1)
         self.last_sel[:, layer].index_fill_(0, rows, -1)
+        if self.attended is not None:
+            self.attended[:, layer].index_fill_(0, rows, -1)
+
+    def record_attended(self, layer: int, rows: torch.Tensor, logical: torch.Tensor, mass: torch.Tensor) -> None:
+        """Keep, for ``rows`` ([B]), the ``attended_blocks`` logical blocks of ``logical`` ([B, Hkv, K], -1 empty)
+        with the most attention ``mass`` ([B, Hkv, K], -inf empty) this step, most first."""
+        m = self.attended.shape[-1]
+        top, idx = mass.topk(min(m, mass.shape[-1]), dim=-1)
+        ids = torch.where(torch.isfinite(top), logical.gather(-1, idx), -1)
+        if ids.shape[-1] < m:
+            ids = torch.nn.functional.pad(ids, (0, m - ids.shape[-1]), value=-1)
+        self.attended[:, layer].index_copy_(0, rows, ids)
+
+    def attended_ids(self, layer: int, rows: torch.Tensor) -> torch.Tensor | None:
+        """``[B, Hkv, attended_blocks]`` logical blocks every prediction for ``rows`` keeps (None: the option is off)."""
+        return None if self.attended is None else self.attended[rows, layer]
 
     def block_ids(self, layer: int, batch) -> torch.Tensor:
         """The device block behind each working-set slot of each KV head, ``[B, Hkv, K]`` (``-1``: empty slot): what

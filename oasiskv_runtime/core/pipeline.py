@@ -81,8 +81,9 @@ class LookaheadPipeline:
     def prefetch(self, layer: int, batch: DecodeBatch, pred_q: torch.Tensor, cap: int) -> None:
         """After layer ``layer``'s attention: predict the next step's top-K from ``pred_q`` ``[B, Hq, D]``, select
         (at most ``cap`` admissions per request and head) and copy."""
+        keep = self.map.attended_ids(layer, batch.state_rows)  # None unless attended_blocks
         if not self.background:
-            pred = self.predictor.predict(layer, pred_q, batch, next_step=True)
+            pred = self.predictor.predict(layer, pred_q, batch, next_step=True, keep=keep)
             self._remember(layer, batch, pred)
             self.fetch(layer, batch, pred, cap)
             return
@@ -92,9 +93,11 @@ class LookaheadPipeline:
         s_pred, s_sel, s_xfer = self.streams
         s_pred.wait_event(torch.cuda.current_stream(s_pred.device).record_event())
         pred_q.record_stream(s_pred)
+        if keep is not None:
+            keep.record_stream(s_pred)
         int32 = self.kernels.select_kernel and not self.debug.measure_recall  # the fused kernel reads int32 ids
         with torch.cuda.stream(s_pred):
-            pred = self.predictor.predict(layer, pred_q, batch, next_step=True, int32=int32)
+            pred = self.predictor.predict(layer, pred_q, batch, next_step=True, int32=int32, keep=keep)
             self._remember(layer, batch, pred)
         s_sel.wait_stream(s_pred)
         pred.record_stream(s_sel)

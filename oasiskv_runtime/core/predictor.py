@@ -41,10 +41,11 @@ class Predictor:
         ``quest``."""
 
     def predict(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
-                int32: bool = False) -> torch.Tensor:
+                int32: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Top-K logical blocks per KV head ``[B, Hkv, K]`` (``-1`` padded, best first) for queries
         ``[B, Hq, D]``, over this step's candidate blocks or (``next_step``) the next step's. ``int32``: keep the
-        ranking's int32 ids (what the fused selection kernel reads); int64 otherwise (for indexing)."""
+        ranking's int32 ids (what the fused selection kernel reads); int64 otherwise (for indexing). ``keep``:
+        ``[B, Hkv, M]`` logical blocks the ranking keeps whatever their score (``attended_blocks``; -1: none)."""
         if next_step:
             num_candidates, max_candidates = batch.next_candidates, batch.max_next_candidates
         else:
@@ -68,6 +69,8 @@ class Predictor:
             scores = quest_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
                                   max_candidates, backend=self.backend)
         scores = keep_always(scores, num_candidates, self.sink_blocks, self.recent_blocks)
+        if keep is not None:
+            scores = keep_blocks(scores, keep)
         ids, _ = rank_topk(scores, num_candidates, self.k_slots, backend=self.backend, with_valid=False)
         return ids if int32 else ids.long()
 
@@ -83,6 +86,19 @@ def keep_always(scores: torch.Tensor, num_candidates: torch.Tensor, sink_blocks:
     nc = num_candidates.to(scores.device, torch.int64).view(-1, 1)
     keep = ((j < sink_blocks) | (j >= nc - recent_blocks)) & (j < nc)                 # [B, J]
     return scores.masked_fill(keep.unsqueeze(1), float("inf"))
+
+
+def keep_blocks(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``scores`` ``[B, Hkv, J]`` with the logical blocks ``keep`` ``[B, Hkv, M]`` names raised to ``+inf`` (``-1``
+    and blocks past the columns ignored; a block that is no candidate keeps its ``-inf``, so it is never ranked)."""
+    if not keep.shape[-1] or not scores.shape[-1]:
+        return scores
+    ok = (keep >= 0) & (keep < scores.shape[-1])
+    idx = keep.clamp(0, scores.shape[-1] - 1)
+    cand = scores.gather(-1, idx) > float("-inf")  # a column past the request's candidates stays out
+    raise_to = torch.full(idx.shape, float("-inf"), dtype=scores.dtype, device=scores.device)
+    raise_to.masked_fill_(ok & cand, float("inf"))
+    return scores.scatter_reduce(-1, idx, raise_to, reduce="amax")
 
 
 def resident_block_ids(pred: torch.Tensor, primary_table: torch.Tensor) -> torch.Tensor:

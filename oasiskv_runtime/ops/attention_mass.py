@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_attention_mass", "candidate_blocks"]
+__all__ = ["block_attention_mass", "candidate_blocks", "working_set_mass"]
 
 
 def candidate_blocks(q: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor, num_kv_heads: int,
@@ -68,3 +68,28 @@ def block_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
         probs = torch.softmax(logits.masked_fill_(~token_ok, float("-inf")), dim=-1)
         out[:, h] = probs.view(B, g, J, bs).sum(dim=(1, 3))
     return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
+
+
+def working_set_mass(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention mass per working-set slot, ``[B, Hkv, K]`` fp32 in ``[0, g]``, ``-inf`` for an empty slot.
+
+    ``q``: ``[B, Hq, D]`` the step's query; ``k_cache``: ``[num_blocks, block_size, Hkv, D]`` one layer's keys;
+    ``block_ids``: ``[B, Hkv, K]`` the cache block in each KV head's slot (``-1``: empty). The same definition as
+    :func:`block_attention_mass`, with the softmax over what the step attended of the context (each KV head's own
+    slots) instead of every candidate: what the step's attention gave each block it read (``attended_blocks``).
+    """
+    B, Hq, D = q.shape
+    hkv, K = block_ids.shape[1], block_ids.shape[2]
+    bs, dev = k_cache.shape[1], q.device
+    if B == 0 or K == 0:
+        return torch.empty((B, hkv, K), dtype=torch.float32, device=dev)
+    g = Hq // hkv
+    ids = block_ids.to(dev, torch.int64)
+    present = ids >= 0
+    heads = torch.arange(hkv, device=dev).view(1, hkv, 1)
+    keys = k_cache[ids.clamp_min(0), :, heads].float().reshape(B, hkv, K * bs, D)      # [B, Hkv, K * bs, D]
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(B, hkv, g, D), keys).mul_(scale)
+    tok_ok = present.view(B, hkv, 1, K, 1).expand(B, hkv, 1, K, bs).reshape(B, hkv, 1, K * bs)
+    probs = torch.softmax(logits.masked_fill_(~tok_ok, float("-inf")), dim=-1)
+    mass = probs.nan_to_num_(0.0).view(B, hkv, g, K, bs).sum(dim=(2, 4))       # (a head with no slot: NaN -> 0)
+    return mass.masked_fill_(~present, float("-inf"))

@@ -29,6 +29,7 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.attention.prefill import ContextAttention
 from oasiskv_runtime.engine.attention.sparse_step import SparseStep
+from oasiskv_runtime.ops.attention_mass import working_set_mass
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
 from oasiskv_runtime.transfer.host_pool import HostKVPool
@@ -37,6 +38,7 @@ from oasiskv_runtime.transfer.prefill_io import PrefillPoolIO
 
 
 FIXED_AT_START = {"accept_drafts": "it sizes each working set's local blocks",
+                  "attended_blocks": "it sizes the record of each head's most attended blocks",
                   "fill_query": "the step builder reads it once"}
 """Algorithm options :meth:`OasisKVAttention.configure` refuses to change, and why."""
 
@@ -54,7 +56,8 @@ class OasisKVAttention:
         backend = self.kernels.backend
         k_slots = self.sparse.top_k_blocks
         self.stats = SparseStats(num_layers, 2 * device_cache.block_size * head_dim * device_cache.k[0].element_size())
-        self.head_map = HeadMap(max_rows, num_layers, num_kv_heads, k_slots, self.device, self.mode.uses_host_pool)
+        self.head_map = HeadMap(max_rows, num_layers, num_kv_heads, k_slots, self.device, self.mode.uses_host_pool,
+                                self.sparse.attended_blocks)
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
                                    self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
                                    scale, self.sparse.recent_blocks)
@@ -227,20 +230,26 @@ class OasisKVAttention:
         qd_rows = b.qd_rows()
         qs = q[qd_rows].view(b.q_rows.numel(), 2, *q.shape[1:])
         q_norm = qs[:, 0]
+        keep = self.head_map.attended_ids(layer, b.state_rows)  # None unless attended_blocks
         if self.mode is Mode.SPARSE_RESIDENT:
-            block_ids = resident_block_ids(self.predictor.predict(layer, q_norm, b, next_step=False), b.primary_table)
+            logical = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
+            block_ids = resident_block_ids(logical, b.primary_table)
         else:
             if self.debug.measure_recall and self.mode is not Mode.FETCH_ON_DEMAND:  # what the prefetch held
                 self.pipeline.record_recall(layer, b, q_norm)
             if self.mode is Mode.FETCH_ON_DEMAND:
-                pred = self.predictor.predict(layer, q_norm, b, next_step=False)
+                pred = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
                 cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
                 self.pipeline.fetch(layer, b, pred, cap)
             elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
-                pred = self.predictor.predict(layer, q_norm, b, next_step=False)
+                pred = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
                 self.pipeline.fetch(layer, b, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
                                     demand=True)
             block_ids = self.head_map.block_ids(layer, b)
+            logical = self.head_map.slot_map[b.state_rows, layer]
+        if keep is not None:  # what this step's attention gives each block it reads, for the next prediction
+            mass = working_set_mass(q_norm, self.dev_cache.k[layer], block_ids, self.scale)
+            self.head_map.record_attended(layer, b.state_rows, logical, mass)
         if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
             gap = b.derived("gap_i32", lambda: b.gap_block.int()[:, None, None].expand(-1, block_ids.shape[1], 1))
             block_ids = torch.cat([block_ids.int(), gap], dim=2)
@@ -312,7 +321,7 @@ class OasisKVAttention:
         k = self.kernels
         sp = self.sparse
         return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
-                sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap, k.gather_ctas,
+                sp.attended_blocks, sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap, k.gather_ctas,
                 k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
 
     def graph_join(self) -> None:
