@@ -158,3 +158,35 @@ def test_attended_blocks_is_refused_on_vllm_by_name(tmp_path):
     with pytest.raises(ValueError, match="attended_blocks"):
         AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "oasiskv"), engine="vllm", output_dir=tmp_path,
                        options=(("attended_blocks", 2),))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
+def test_the_end_of_prefill_seeds_the_record_with_the_dense_attentions_heaviest_blocks(tiny, monkeypatch, mode):
+    """A prefill attends the whole context, so the first sparse step starts from the blocks its last row weighed most
+    (over the full blocks, the next step's candidates), checked against a per-head loop on the same keys."""
+    from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
+
+    real = OasisKVAttention._record_dense_attention
+    checked = []
+
+    def spy(self, layer, s, q, ks):
+        real(self, layer, s, q, ks)
+        bs, hkv = self.dev_cache.block_size, ks.shape[1]
+        j = s.context_len // bs
+        qrow = q[s.query_start + s.num_query - 1].double()
+        g = qrow.shape[0] // hkv
+        want = torch.zeros(hkv, j, dtype=torch.float64)
+        for h in range(hkv):
+            keys = ks[:j * bs, h].double()
+            for i in range(h * g, (h + 1) * g):
+                want[h] += torch.softmax(keys @ qrow[i] * self.scale, dim=0).view(j, bs).sum(1)
+        got = self.head_map.attended[self.head_map.rows[s.seq_id], layer]
+        m = got.shape[-1]
+        assert torch.equal(got, want.topk(m, dim=-1).indices), (layer, got, want)
+        checked.append(layer)
+
+    monkeypatch.setattr(OasisKVAttention, "_record_dense_attention", spy)
+    llm = LLM(tiny, mode=mode, top_k_blocks=4, block_size=4, draft="ngram", attended_blocks=2)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(checked) == len(PROMPTS) * llm.engine.model_config.num_layers

@@ -64,8 +64,6 @@ class HeadMap:
         # sync in the middle of the layer loop.
         self.slot_map[:, layer].index_fill_(0, rows, -1)
         self.last_sel[:, layer].index_fill_(0, rows, -1)
-        if self.attended is not None:
-            self.attended[:, layer].index_fill_(0, rows, -1)
 
     def record_attended(self, layer: int, rows: torch.Tensor, logical: torch.Tensor, mass: torch.Tensor) -> None:
         """Keep, for ``rows`` ([B]), the ``attended_blocks`` logical blocks of ``logical`` ([B, Hkv, K], -1 empty)

@@ -107,7 +107,8 @@ class LookaheadPipeline:
     def fill(self, layer: int, batch: DecodeBatch, query: torch.Tensor) -> None:
         """Fill the working sets of requests whose prefill completes this step: predict the first decode step's
         top-K from ``query`` (the last prompt token's, or the draft's) and admit all of it (no cap)."""
-        pred = self.predictor.predict(layer, query, batch, next_step=True)
+        pred = self.predictor.predict(layer, query, batch, next_step=True,
+                                      keep=self.map.attended_ids(layer, batch.state_rows))
         self.map.clear(layer, batch.state_rows)
         self.fetch(layer, batch, pred, self.map.k_slots, initial=True)
 

@@ -213,7 +213,9 @@ class OasisKVAttention:
         dense_layer = layer < self.sparse.dense_layers
         device_path = self._use_device_prefill(q)
         for s in step.prefill + (step.decode_slices if dense_layer else []):
-            self.context.attend(layer, s, q, k, v, out, device_path)
+            ks = self.context.attend(layer, s, q, k, v, out, device_path)
+            if self.head_map.attended is not None and s.completes and not dense_layer:
+                self._record_dense_attention(layer, s, q, ks)
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
         if b is not None and self.mode.prefetches:
@@ -223,6 +225,23 @@ class OasisKVAttention:
             self.pipeline.fill(layer, step.fill, q[step.fill.q_rows])
             self.context.copy_tails(layer, step.fill_tails, device_path)
         return out
+
+    def _record_dense_attention(self, layer: int, s: SeqSlice, q: torch.Tensor, ks: torch.Tensor) -> None:
+        """``attended_blocks`` after a step that attended ``s``'s whole context (the end of its prefill): its last
+        row's softmax attention mass on each full block (the next step's candidates), summed over each KV head's
+        group, so the first sparse step keeps the blocks the dense attention weighed most."""
+        bs = self.dev_cache.block_size
+        j = s.context_len // bs                      # the next step's candidates: the full blocks before its active one
+        if not j:
+            return
+        hkv, d = ks.shape[1], ks.shape[2]
+        row = q[s.query_start + s.num_query - 1].float().view(hkv, -1, d)                       # [Hkv, g, D]
+        keys = ks[:j * bs].float().permute(1, 2, 0)                                             # [Hkv, D, j * bs]
+        probs = torch.softmax(torch.bmm(row, keys).mul_(self.scale), dim=-1)                   # [Hkv, g, j * bs]
+        mass = probs.view(hkv, -1, j, bs).sum(dim=(1, 3))                                      # [Hkv, j]
+        rows = torch.tensor([self.head_map.row(s.seq_id)], device=self.device)
+        logical = torch.arange(j, device=self.device).view(1, 1, j).expand(1, hkv, j)
+        self.head_map.record_attended(layer, rows, logical, mass[None].to(self.device))
 
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor) -> None:

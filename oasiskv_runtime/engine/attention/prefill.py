@@ -78,8 +78,9 @@ class ContextAttention:
         return ks, vs
 
     def attend(self, layer: int, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               device_path: bool) -> None:
-        """``s``'s rows of ``out``, attending over its whole context."""
+               device_path: bool) -> torch.Tensor:
+        """``s``'s rows of ``out``, attending over its whole context; returns the context's keys
+        (``[context_len, Hkv, D]`` on ``q``'s device)."""
         rows = slice(s.query_start, s.query_start + s.num_query)
         if device_path:
             if s.num_query == s.context_len:  # the chunk is the whole context: its own rows, nothing to read
@@ -95,6 +96,7 @@ class ContextAttention:
                 ks, vs = self.pool.read_host(layer, s.block_table, s.context_len)
             ks, vs = ks.to(q.device), vs.to(q.device)
         attend_slice(s, q, k, v, ks, vs, out, self.scale, device_path, self.backend)
+        return ks
 
     def copy_tails(self, layer: int, tails: list[tuple[SeqSlice, int]], device_path: bool) -> None:
         """Each request's active block's earlier tokens (the prompt's tail) from the pool into its local device
