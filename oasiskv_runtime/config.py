@@ -270,9 +270,9 @@ class SparseConfig:
                               "an integer >= 0 (sink_blocks + recent_blocks < top_k_blocks)",
                               lambda v: _int(v) and v >= 0)
     attended_blocks: int = _opt(
-        0, "The N blocks of each KV head's working set that held the most of a decode step's attention, kept by the "
-        "next prediction whatever their score (counted in top_k_blocks, like sink_blocks; already resident, so they "
-        "cost no fetch). A study of issue #34: docs/accuracy.md.",
+        0, "The N blocks that held the most of a step's attention (a decode step's over its working set, a prefill's "
+        "last row's over every block) kept by the next prediction whatever their score (counted in top_k_blocks, like "
+        "sink_blocks; resident already, so they cost no fetch). A study of issue #34: docs/accuracy.md.",
         "an integer >= 0 (sink_blocks + recent_blocks + attended_blocks < top_k_blocks)",
         lambda v: _int(v) and v >= 0)
     selection_score: str = _opt(

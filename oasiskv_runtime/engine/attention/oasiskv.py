@@ -265,8 +265,9 @@ class OasisKVAttention:
                 self.pipeline.fetch(layer, b, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
                                     demand=True)
             block_ids = self.head_map.block_ids(layer, b)
-            logical = self.head_map.slot_map[b.state_rows, layer]
         if keep is not None:  # what this step's attention gives each block it reads, for the next prediction
+            if self.mode is not Mode.SPARSE_RESIDENT:
+                logical = self.head_map.slot_map[b.state_rows, layer]
             mass = working_set_mass(q_norm, self.dev_cache.k[layer], block_ids, self.scale)
             self.head_map.record_attended(layer, b.state_rows, logical, mass)
         if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
