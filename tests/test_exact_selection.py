@@ -125,8 +125,8 @@ def test_attention_selection_holds_at_least_quests_attention_mass(tiny):
     predictor = backend.predictor
     real = predictor.predict
 
-    def spy(layer, query, batch, next_step, int32=False):
-        ids = real(layer, query, batch, next_step, int32)
+    def spy(layer, query, batch, next_step, int32=False, **kw):
+        ids = real(layer, query, batch, next_step, int32, **kw)
         predictor.selection_score = "quest"
         quest = real(layer, query, batch, next_step, int32)
         predictor.selection_score = "attention"

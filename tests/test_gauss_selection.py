@@ -143,8 +143,8 @@ def test_gauss_selection_keeps_the_top_k_of_its_score_on_the_real_keys(tiny):
     predictor = backend.predictor
     real = predictor.predict
 
-    def spy(layer, query, batch, next_step, int32=False):
-        ids = real(layer, query, batch, next_step, int32)
+    def spy(layer, query, batch, next_step, int32=False, **kw):
+        ids = real(layer, query, batch, next_step, int32, **kw)
         want = brute_force_gauss(query, backend.dev_cache.k[layer], batch.primary_table, batch.num_candidates,
                                  backend.scale)
         for b, per_head in enumerate(want):

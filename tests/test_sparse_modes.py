@@ -273,8 +273,8 @@ def test_sink_and_recent_blocks_are_always_selected(tiny, mode):
     predictor = eng.backend.predictor
     real = predictor.predict
 
-    def spy(layer, query, batch, next_step, int32=False):
-        ids = real(layer, query, batch, next_step, int32)
+    def spy(layer, query, batch, next_step, int32=False, **kw):
+        ids = real(layer, query, batch, next_step, int32, **kw)
         predictions.append((ids, batch.next_candidates if next_step else batch.num_candidates))
         return ids
 

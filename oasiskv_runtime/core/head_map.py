@@ -28,8 +28,8 @@ class HeadMap:
         """Step at which each slot's block was last selected or admitted, -1 never."""
         self.attended = torch.full(shape[:3] + (attended_blocks,), -1, dtype=torch.long, device=device) \
             if attended_blocks else None
-        """``attended_blocks``: per request, layer and KV head, the logical blocks that held the most of the last
-        decode step's attention, most first (-1: none); every mode (sparse-resident too)."""
+        """``attended_blocks``: per request, layer and KV head, the logical blocks that held the most of its last
+        step's attention (a decode step's, or the end of its prefill's), most first (-1: none); every sparse mode."""
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_rows))
         self.ready: set[int] = set()
@@ -76,7 +76,7 @@ class HeadMap:
         self.attended[:, layer].index_copy_(0, rows, ids)
 
     def attended_ids(self, layer: int, rows: torch.Tensor) -> torch.Tensor | None:
-        """``[B, Hkv, attended_blocks]`` logical blocks every prediction for ``rows`` keeps (None: the option is off)."""
+        """``[B, Hkv, attended_blocks]``: the blocks every prediction for ``rows`` keeps (None: the option is off)."""
         return None if self.attended is None else self.attended[rows, layer]
 
     def block_ids(self, layer: int, batch) -> torch.Tensor:

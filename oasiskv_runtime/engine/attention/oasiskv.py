@@ -341,8 +341,8 @@ class OasisKVAttention:
         k = self.kernels
         sp = self.sparse
         return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
-                sp.attended_blocks, sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap, k.gather_ctas,
-                k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
+                sp.attended_blocks, sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap,
+                k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
 
     def graph_join(self) -> None:
         """Make the current stream wait for the background streams (a captured step must end joined)."""
