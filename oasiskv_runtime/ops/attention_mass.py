@@ -90,6 +90,5 @@ def working_set_mass(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Te
     keys = k_cache[ids.clamp_min(0), :, heads].float().reshape(B, hkv, K * bs, D)      # [B, Hkv, K * bs, D]
     logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(B, hkv, g, D), keys).mul_(scale)
     tok_ok = present.view(B, hkv, 1, K, 1).expand(B, hkv, 1, K, bs).reshape(B, hkv, 1, K * bs)
-    probs = torch.softmax(logits.masked_fill_(~tok_ok, float("-inf")), dim=-1)
-    mass = probs.nan_to_num_(0.0).view(B, hkv, g, K, bs).sum(dim=(2, 4))       # (a head with no slot: NaN -> 0)
-    return mass.masked_fill_(~present, float("-inf"))
+    probs = torch.softmax(logits.masked_fill_(~tok_ok, float("-inf")), dim=-1)  # a head with no slot: NaN, masked
+    return probs.view(B, hkv, g, K, bs).sum(dim=(2, 4)).masked_fill_(~present, float("-inf"))

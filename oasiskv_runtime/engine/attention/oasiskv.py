@@ -234,14 +234,14 @@ class OasisKVAttention:
         j = s.context_len // bs                      # the next step's candidates: the full blocks before its active one
         if not j:
             return
-        hkv, d = ks.shape[1], ks.shape[2]
-        row = q[s.query_start + s.num_query - 1].float().view(hkv, -1, d)                       # [Hkv, g, D]
-        keys = ks[:j * bs].float().permute(1, 2, 0)                                             # [Hkv, D, j * bs]
-        probs = torch.softmax(torch.bmm(row, keys).mul_(self.scale), dim=-1)                   # [Hkv, g, j * bs]
-        mass = probs.view(hkv, -1, j, bs).sum(dim=(1, 3))                                      # [Hkv, j]
+        hkv = ks.shape[1]
+        # the context's full blocks as a cache of j blocks, each KV head "holding" all of them
+        blocks = ks[:j * bs].reshape(j, bs, hkv, ks.shape[2])
+        logical = torch.arange(j, device=ks.device).view(1, 1, j).expand(1, hkv, j)
+        row = q[s.query_start + s.num_query - 1 : s.query_start + s.num_query]                  # [1, Hq, D]
+        mass = working_set_mass(row, blocks, logical, self.scale)                              # [1, Hkv, j]
         rows = torch.tensor([self.head_map.row(s.seq_id)], device=self.device)
-        logical = torch.arange(j, device=self.device).view(1, 1, j).expand(1, hkv, j)
-        self.head_map.record_attended(layer, rows, logical, mass[None].to(self.device))
+        self.head_map.record_attended(layer, rows, logical.to(self.device), mass.to(self.device))
 
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor) -> None:
