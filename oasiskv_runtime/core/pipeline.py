@@ -104,11 +104,15 @@ class LookaheadPipeline:
         with torch.cuda.stream(s_sel):
             self.fetch(layer, batch, pred, cap, stream=s_xfer)
 
-    def fill(self, layer: int, batch: DecodeBatch, query: torch.Tensor) -> None:
+    def fill(self, layer: int, batch: DecodeBatch, query: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         """Fill the working sets of requests whose prefill completes this step: predict the first decode step's
-        top-K from ``query`` (the last prompt token's, or the draft's) and admit all of it (no cap)."""
-        pred = self.predictor.predict(layer, query, batch, next_step=True,
-                                      keep=self.map.attended_ids(layer, batch.state_rows))
+        top-K from ``query`` (the last prompt token's, or the draft's), or rank ``scores`` ``[B, Hkv, J]`` made by
+        the caller (``fill_window``: the prompt's exact attention mass), and admit all of it (no cap)."""
+        keep = self.map.attended_ids(layer, batch.state_rows)
+        if scores is None:
+            pred = self.predictor.predict(layer, query, batch, next_step=True, keep=keep)
+        else:
+            pred = self.predictor.rank(scores, batch.next_candidates, keep=keep)
         self.map.clear(layer, batch.state_rows)
         self.fetch(layer, batch, pred, self.map.k_slots, initial=True)
 

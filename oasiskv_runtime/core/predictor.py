@@ -68,6 +68,13 @@ class Predictor:
             sum_min, sum_max = self.summaries.read(layer)
             scores = quest_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
                                   max_candidates, backend=self.backend)
+        return self.rank(scores, num_candidates, int32=int32, keep=keep)
+
+    def rank(self, scores: torch.Tensor, num_candidates: torch.Tensor, int32: bool = False,
+             keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The top-K of block scores ``[B, Hkv, J]`` (``-inf`` beyond each request's ``num_candidates``), with the
+        sink, recent and ``keep`` blocks kept: what :meth:`predict` returns for the scores it computes, and what a
+        fill ranks scores made elsewhere with (``fill_window``)."""
         scores = keep_always(scores, num_candidates, self.sink_blocks, self.recent_blocks)
         if keep is not None:
             scores = keep_blocks(scores, keep)

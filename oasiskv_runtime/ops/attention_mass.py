@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_attention_mass", "candidate_blocks", "working_set_mass"]
+__all__ = ["block_attention_mass", "candidate_blocks", "prompt_block_mass", "working_set_mass"]
 
 
 def candidate_blocks(q: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor, num_kv_heads: int,
@@ -92,3 +92,27 @@ def working_set_mass(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Te
     tok_ok = present.view(B, hkv, 1, K, 1).expand(B, hkv, 1, K, bs).reshape(B, hkv, 1, K * bs)
     probs = torch.softmax(logits.masked_fill_(~tok_ok, float("-inf")), dim=-1)  # a head with no slot: NaN, masked
     return probs.view(B, hkv, g, K, bs).sum(dim=(2, 4)).masked_fill_(~present, float("-inf"))
+
+
+def prompt_block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """Attention mass of a prompt's last rows on each of its full blocks, ``[Hkv, n // block_size]`` fp32 in
+    ``[0, W * g]`` (``fill_window``: what fills a working set when a prefill completes).
+
+    ``q``: ``[W, Hq, D]`` the queries of the prompt's last ``W`` tokens (positions ``n - W .. n - 1``); ``keys``:
+    ``[n, Hkv, D]`` the prompt's keys, all of them (the prefill has them on the device). Each row's softmax is its
+    causal attention's over every key (the partial last block included), and a full block's mass is summed over its
+    tokens, the rows and each KV head's GQA group: the rows' summed attention, SnapKV's observation window scored per
+    block. Plain PyTorch, one KV head at a time (``[W, g, n]`` logits at once)."""
+    W, Hq, D = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    if W > n or Hq % hkv:
+        raise ValueError(f"{W} rows of {Hq} heads over {n} keys of {hkv} KV heads: need W <= n and Hq % Hkv == 0")
+    g, j = Hq // hkv, n // block_size
+    pos = torch.arange(n - W, n, device=q.device).view(W, 1, 1)
+    masked = torch.arange(n, device=q.device).view(1, 1, n) > pos                          # [W, 1, n]: the future
+    out = torch.empty((hkv, j), dtype=torch.float32, device=q.device)
+    for h in range(hkv):
+        logits = torch.einsum("wgd,td->wgt", q[:, h * g:(h + 1) * g].float(), keys[:, h].float()).mul_(scale)
+        probs = torch.softmax(logits.masked_fill_(masked, float("-inf")), dim=-1)
+        out[h] = probs[..., :j * block_size].reshape(W * g, j, block_size).sum(dim=(0, 2))
+    return out

@@ -29,7 +29,7 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.attention.prefill import ContextAttention
 from oasiskv_runtime.engine.attention.sparse_step import SparseStep
-from oasiskv_runtime.ops.attention_mass import working_set_mass
+from oasiskv_runtime.ops.attention_mass import prompt_block_mass, working_set_mass
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
 from oasiskv_runtime.transfer.host_pool import HostKVPool
@@ -212,19 +212,35 @@ class OasisKVAttention:
         out = torch.empty_like(q)
         dense_layer = layer < self.sparse.dense_layers
         device_path = self._use_device_prefill(q)
+        fill_mass = {}  # fill_window: per request whose prefill completes, its last rows' mass on each block
         for s in step.prefill + (step.decode_slices if dense_layer else []):
             ks = self.context.attend(layer, s, q, k, v, out, device_path)
             if self.head_map.attended is not None and s.completes and not dense_layer:
                 self._record_dense_attention(layer, s, q, ks)
+            if self.sparse.fill_window and step.fill is not None and s.completes and not s.is_decode:
+                w = min(self.sparse.fill_window, s.num_query)  # a last chunk shorter than the window: its rows
+                end = s.query_start + s.num_query
+                fill_mass[s.seq_id] = prompt_block_mass(q[end - w:end], ks, self.scale, self.dev_cache.block_size)
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
         if b is not None and self.mode.prefetches:
             self.pipeline.prefetch(layer, b, q[b.pred_rows()], self.step_cap)
         if step.fill is not None:
             self.io.wait(self.io.write_event)  # the chunk's rows must be in the pool before the first fill reads them
-            self.pipeline.fill(layer, step.fill, q[step.fill.q_rows])
+            self.pipeline.fill(layer, step.fill, q[step.fill.q_rows],
+                               self._fill_scores(step.fill, fill_mass) if fill_mass else None)
             self.context.copy_tails(layer, step.fill_tails, device_path)
         return out
+
+    @staticmethod
+    def _fill_scores(batch, fill_mass: dict) -> torch.Tensor:
+        """The fill batch's scores ``[B, Hkv, J]`` from each request's prompt mass (``fill_window``), ``-inf`` past
+        its candidates (the full blocks before its first decode step's active one)."""
+        masses = [fill_mass[i] for i in batch.seq_ids]
+        scores = masses[0].new_full((len(masses), masses[0].shape[0], batch.max_next_candidates), float("-inf"))
+        for b, m in enumerate(masses):
+            scores[b, :, :m.shape[1]] = m
+        return scores
 
     def _record_dense_attention(self, layer: int, s: SeqSlice, q: torch.Tensor, ks: torch.Tensor) -> None:
         """``attended_blocks`` after a step that attended ``s``'s whole context (the end of its prefill): its last
