@@ -134,3 +134,27 @@ def test_the_fill_admits_the_top_k_of_the_prompts_last_rows_mass(tiny, monkeypat
 
 def test_fill_window_is_an_engine_option():
     assert Mode.OASISKV.prefetches and EngineConfig.options()["fill_window"].default == 0
+
+
+@pytest.mark.slow
+def test_fill_window_after_a_chunked_prefill_whose_last_chunk_is_one_token(tiny, monkeypatch):
+    """A prompt of 63 tokens in chunks of 31 ends with a 1-token chunk: the fill still ranks the window's mass (the
+    chunk's one row), and at a covering budget the tokens are dense's."""
+    scores_seen = []
+    real_fill = LookaheadPipeline.fill
+
+    def fill(self, layer, batch, query, scores=None):
+        scores_seen.append(scores)
+        real_fill(self, layer, batch, query, scores)
+
+    monkeypatch.setattr(LookaheadPipeline, "fill", fill)
+    prompt = [PROMPTS[0]]
+    dense = [o.token_ids for o in LLM(tiny, max_num_batched_tokens=31).generate(prompt, GREEDY)]
+    for k in (64, 3):
+        scores_seen.clear()
+        llm = LLM(tiny, mode="oasiskv", top_k_blocks=k, block_size=4, draft="ngram", fill_window=8,
+                  max_num_batched_tokens=31)
+        out = [o.token_ids for o in llm.generate(prompt, GREEDY)]
+        assert scores_seen and all(s is not None and s.shape[-1] == 63 // 4 for s in scores_seen)
+        if k == 64:
+            assert out == dense

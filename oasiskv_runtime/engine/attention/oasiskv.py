@@ -213,11 +213,12 @@ class OasisKVAttention:
         dense_layer = layer < self.sparse.dense_layers
         device_path = self._use_device_prefill(q)
         fill_mass = {}  # fill_window: per request whose prefill completes, its last rows' mass on each block
-        for s in step.prefill + (step.decode_slices if dense_layer else []):
+        for i, s in enumerate(step.prefill + (step.decode_slices if dense_layer else [])):
             ks = self.context.attend(layer, s, q, k, v, out, device_path)
             if self.head_map.attended is not None and s.completes and not dense_layer:
                 self._record_dense_attention(layer, s, q, ks)
-            if self.sparse.fill_window and step.fill is not None and s.completes and not s.is_decode:
+            # (the fill's requests are step.prefill's that complete: a 1-token last chunk included)
+            if self.sparse.fill_window and step.fill is not None and s.completes and i < len(step.prefill):
                 w = min(self.sparse.fill_window, s.num_query)  # a last chunk shorter than the window: its rows
                 end = s.query_start + s.num_query
                 fill_mass[s.seq_id] = prompt_block_mass(q[end - w:end], ks, self.scale, self.dev_cache.block_size)
