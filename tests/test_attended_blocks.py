@@ -12,7 +12,7 @@ from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.predictor import Predictor, keep_blocks
 from oasiskv_runtime.ops.attention_mass import working_set_mass
 from oasiskv_runtime.ops.score_topk import rank_topk
-from tests.tiny_models import write_tiny
+from tests.tiny_models import STUDY_PROMPTS
 
 
 def _mass_loop(q, k_cache, block_ids, scale):
@@ -103,27 +103,22 @@ def test_attended_blocks_count_in_the_budget():
         SparseConfig(attended_blocks=-1)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(write_tiny(tmp_path_factory.mktemp("qwen3"), "qwen3", max_position_embeddings=4096))
-
-
-PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 9, list(range(40, 40 + 77))]
+PROMPTS = STUDY_PROMPTS
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.slow
-def test_attended_blocks_in_every_mode(tiny):
+def test_attended_blocks_in_every_mode(tiny_qwen3):
     """Every mode runs it; with a budget covering the context the tokens are dense's."""
-    dense = [o.token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
+    dense = [o.token_ids for o in LLM(tiny_qwen3).generate(PROMPTS, GREEDY)]
     for mode in ("sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
-        llm = LLM(tiny, mode=mode, top_k_blocks=64, block_size=4, draft="ngram", attended_blocks=8)
+        llm = LLM(tiny_qwen3, mode=mode, top_k_blocks=64, block_size=4, draft="ngram", attended_blocks=8)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense, mode
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
-def test_each_prediction_keeps_the_blocks_the_last_step_attended_most(tiny, monkeypatch, mode):
+def test_each_prediction_keeps_the_blocks_the_last_step_attended_most(tiny_qwen3, monkeypatch, mode):
     """Wired end to end: every prediction made with a record keeps each recorded block that is a candidate, and the
     record holds blocks the step read with the most mass (so a run with it selects other blocks than without)."""
     seen = []
@@ -138,7 +133,7 @@ def test_each_prediction_keeps_the_blocks_the_last_step_attended_most(tiny, monk
 
     monkeypatch.setattr(Predictor, "predict", spy)
     small = dict(mode=mode, top_k_blocks=3, block_size=4, draft="ngram")
-    with_rec = [o.token_ids for o in LLM(tiny, attended_blocks=2, **small).generate(PROMPTS, GREEDY)]
+    with_rec = [o.token_ids for o in LLM(tiny_qwen3, attended_blocks=2, **small).generate(PROMPTS, GREEDY)]
     kept = 0
     for keep, ids, nc in seen:
         for b in range(keep.shape[0]):
@@ -148,7 +143,7 @@ def test_each_prediction_keeps_the_blocks_the_last_step_attended_most(tiny, monk
                 kept += len(rec)
     assert kept > 0
     seen.clear()
-    without = [o.token_ids for o in LLM(tiny, **small).generate(PROMPTS, GREEDY)]
+    without = [o.token_ids for o in LLM(tiny_qwen3, **small).generate(PROMPTS, GREEDY)]
     assert not seen and without != with_rec
 
 
@@ -162,7 +157,7 @@ def test_attended_blocks_is_refused_on_vllm_by_name(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
-def test_the_end_of_prefill_seeds_the_record_with_the_dense_attentions_heaviest_blocks(tiny, monkeypatch, mode):
+def test_the_end_of_prefill_seeds_the_record_with_the_dense_attentions_heaviest_blocks(tiny_qwen3, monkeypatch, mode):
     """A prefill attends the whole context, so the first sparse step starts from the blocks its last row weighed most
     (over the full blocks, the next step's candidates), checked against a per-head loop on the same keys."""
     from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
@@ -187,6 +182,6 @@ def test_the_end_of_prefill_seeds_the_record_with_the_dense_attentions_heaviest_
         checked.append(layer)
 
     monkeypatch.setattr(OasisKVAttention, "_record_dense_attention", spy)
-    llm = LLM(tiny, mode=mode, top_k_blocks=4, block_size=4, draft="ngram", attended_blocks=2)
+    llm = LLM(tiny_qwen3, mode=mode, top_k_blocks=4, block_size=4, draft="ngram", attended_blocks=2)
     llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(checked) == len(PROMPTS) * llm.engine.model_config.num_layers

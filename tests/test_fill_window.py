@@ -11,7 +11,7 @@ from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig, Mode
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.ops.attention_mass import prompt_block_mass
-from tests.tiny_models import write_tiny
+from tests.tiny_models import STUDY_PROMPTS
 
 
 def _mass_loop(q, keys, scale, bs):
@@ -67,27 +67,22 @@ def test_fill_window_is_refused_on_vllm_by_name(tmp_path):
                        options=(("fill_window", 16),))
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(write_tiny(tmp_path_factory.mktemp("qwen3"), "qwen3", max_position_embeddings=4096))
-
-
-PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 9, list(range(40, 40 + 77))]
+PROMPTS = STUDY_PROMPTS
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.slow
-def test_fill_window_with_a_covering_budget_is_dense(tiny):
-    dense = [o.token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
+def test_fill_window_with_a_covering_budget_is_dense(tiny_qwen3):
+    dense = [o.token_ids for o in LLM(tiny_qwen3).generate(PROMPTS, GREEDY)]
     for mode in ("proxy-prefetch", "oasiskv"):
-        llm = LLM(tiny, mode=mode, top_k_blocks=64, block_size=4, draft="ngram", fill_window=8)
+        llm = LLM(tiny_qwen3, mode=mode, top_k_blocks=64, block_size=4, draft="ngram", fill_window=8)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense, mode
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["proxy-prefetch", "oasiskv"])
 @pytest.mark.parametrize("window,sink", [(6, 0), (1, 1)])
-def test_the_fill_admits_the_top_k_of_the_prompts_last_rows_mass(tiny, monkeypatch, mode, window, sink):
+def test_the_fill_admits_the_top_k_of_the_prompts_last_rows_mass(tiny_qwen3, monkeypatch, mode, window, sink):
     """Every layer's fill ranks the window's mass (checked against a loop over the prompt's keys), and the working
     set it leaves is that ranking's top-K (with the sink block kept); without the option the fill predicts."""
     from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
@@ -109,7 +104,7 @@ def test_the_fill_admits_the_top_k_of_the_prompts_last_rows_mass(tiny, monkeypat
     monkeypatch.setattr(OasisKVAttention, "forward", forward)
     monkeypatch.setattr(LookaheadPipeline, "fill", fill)
     K, bs = 3, 4
-    llm = LLM(tiny, mode=mode, top_k_blocks=K, block_size=bs, draft="ngram", fill_window=window, sink_blocks=sink)
+    llm = LLM(tiny_qwen3, mode=mode, top_k_blocks=K, block_size=bs, draft="ngram", fill_window=window, sink_blocks=sink)
     llm.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     scale = llm.engine.model_config.head_dim ** -0.5
     assert sum(len(f[1]) for f in filled) == len(PROMPTS) * llm.engine.model_config.num_layers
@@ -128,7 +123,7 @@ def test_the_fill_admits_the_top_k_of_the_prompts_last_rows_mass(tiny, monkeypat
                 top[:sink] = float("inf")
                 assert {int(x) for x in slots[b, h] if x >= 0} == set(top.topk(min(K, j)).indices.tolist())
     filled.clear()
-    LLM(tiny, mode=mode, top_k_blocks=K, block_size=bs, draft="ngram").generate(PROMPTS, GREEDY)
+    LLM(tiny_qwen3, mode=mode, top_k_blocks=K, block_size=bs, draft="ngram").generate(PROMPTS, GREEDY)
     assert filled and all(f[2] is None for f in filled)
 
 
@@ -137,7 +132,7 @@ def test_fill_window_is_an_engine_option():
 
 
 @pytest.mark.slow
-def test_fill_window_after_a_chunked_prefill_whose_last_chunk_is_one_token(tiny, monkeypatch):
+def test_fill_window_after_a_chunked_prefill_whose_last_chunk_is_one_token(tiny_qwen3, monkeypatch):
     """A prompt of 63 tokens in chunks of 31 ends with a 1-token chunk: the fill still ranks the window's mass (the
     chunk's one row), and at a covering budget the tokens are dense's."""
     scores_seen = []
@@ -149,10 +144,10 @@ def test_fill_window_after_a_chunked_prefill_whose_last_chunk_is_one_token(tiny,
 
     monkeypatch.setattr(LookaheadPipeline, "fill", fill)
     prompt = [PROMPTS[0]]
-    dense = [o.token_ids for o in LLM(tiny, max_num_batched_tokens=31).generate(prompt, GREEDY)]
+    dense = [o.token_ids for o in LLM(tiny_qwen3, max_num_batched_tokens=31).generate(prompt, GREEDY)]
     for k in (64, 3):
         scores_seen.clear()
-        llm = LLM(tiny, mode="oasiskv", top_k_blocks=k, block_size=4, draft="ngram", fill_window=8,
+        llm = LLM(tiny_qwen3, mode="oasiskv", top_k_blocks=k, block_size=4, draft="ngram", fill_window=8,
                   max_num_batched_tokens=31)
         out = [o.token_ids for o in llm.generate(prompt, GREEDY)]
         assert scores_seen and all(s is not None and s.shape[-1] == 63 // 4 for s in scores_seen)

@@ -10,6 +10,11 @@ from pathlib import Path
 import torch
 
 
+STUDY_PROMPTS = [[5, 17, 33, 9, 101, 250, 7] * 9, list(range(40, 40 + 77))]
+"""Two prompts for the sparse-selection studies' end-to-end tests: a repeating one (the n-gram draft proposes) and
+one that never repeats, 63 and 77 tokens (partial last blocks at block size 4 and 8)."""
+
+
 def write_tiny(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 

@@ -103,7 +103,7 @@ def prompt_block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, block_s
     causal attention's over every key (the partial last block included), and a full block's mass is summed over its
     tokens, the rows and each KV head's GQA group: the rows' summed attention, SnapKV's observation window scored per
     block. Plain PyTorch, one KV head at a time (``[W, g, n]`` logits at once)."""
-    W, Hq, D = q.shape
+    W, Hq = q.shape[:2]
     n, hkv = keys.shape[0], keys.shape[1]
     if W > n or Hq % hkv:
         raise ValueError(f"{W} rows of {Hq} heads over {n} keys of {hkv} KV heads: need W <= n and Hq % Hkv == 0")
