@@ -136,9 +136,9 @@ def test_fill_query_picks_the_row_that_predicts_the_first_working_set(tiny, fill
     seen = []
     fill = LookaheadPipeline.fill
 
-    def spy(self, layer, batch, query):
+    def spy(self, layer, batch, query, *args, **kw):
         seen.append(batch.q_rows.tolist())
-        return fill(self, layer, batch, query)
+        return fill(self, layer, batch, query, *args, **kw)
 
     monkeypatch.setattr(LookaheadPipeline, "fill", spy)
     prompt = PROMPTS[0][:30]  # one chunk of 30 rows; the draft row (n-gram: the prompt repeats) comes after them
