@@ -337,10 +337,10 @@ class SparseConfig:
                              f"candidate key at every step, so the full KV must be on the device), not {mode.value}")
         if self.accept_drafts:
             self._check_accept(mode)
-        if self.fill_window and mode not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
+        if self.fill_window and not mode.prefetches:
             raise ValueError(f"fill_window needs a prefetching mode (proxy-prefetch or oasiskv: the modes that fill a "
                              f"working set when a prefill completes), not {mode.value}")
-        if self.demand_fetch and mode not in (Mode.PROXY_PREFETCH, Mode.OASISKV):
+        if self.demand_fetch and not mode.prefetches:
             raise ValueError(f"demand_fetch needs a prefetching mode (proxy-prefetch or oasiskv), not {mode.value}"
                              + (" (it fetches every missing block on demand already)"
                                 if mode is Mode.FETCH_ON_DEMAND else ""))
