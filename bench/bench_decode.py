@@ -38,6 +38,7 @@ def build(model: str, mode: str, preloaded, args) -> LLMEngine:
                                       kv_cache_gb=args.kv_gb, host_kv_bytes=int(args.host_gb * GiB),
                                       top_k_blocks=args.top_k, fetch_ratio=args.fetch_ratio,
                                       max_num_seqs=max(args.batch_list), draft="ngram",
+                                      attended_blocks=args.attended_blocks if mode != "dense" else 0,
                                       disable_transfers=mode == "oasiskv-no-transfer")
     return LLMEngine(cfg, preloaded=preloaded)
 
@@ -204,6 +205,8 @@ def main() -> None:
     ap.add_argument("--fetch-ratio", type=float, default=0.05)
     ap.add_argument("--sweep", default="0.01,0.05,0.1,0.25,1.0", help="fetch ratios at --sweep-shape")
     ap.add_argument("--sweep-shape", default="64,16384")
+    ap.add_argument("--attended-blocks", type=int, default=0,
+                    help="attended_blocks of every sparse mode (fixed when an engine starts: one process per value)")
     ap.add_argument("--kv-gb", type=float, default=100.0)
     ap.add_argument("--host-gb", type=float, default=40.0)
     ap.add_argument("--warmup", type=int, default=3, help=">= 2 with graphs: a key is captured on its second step")
@@ -234,7 +237,8 @@ def main() -> None:
     fused_list = _values(args.fused_norm_rope, _switch)
     gen = torch.Generator().manual_seed(0)
     results = {"model": args.model, "random_weights": True, "device": torch.cuda.get_device_name(),
-               "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "points": [], "sweep": []}
+               "top_k_blocks": args.top_k, "fetch_ratio": args.fetch_ratio, "attended_blocks": args.attended_blocks,
+               "points": [], "sweep": []}
     preloaded = None
 
     def save() -> None:
