@@ -10,7 +10,8 @@ from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import SparseConfig
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.predictor import Predictor, keep_blocks
-from oasiskv_runtime.ops.attention_mass import working_set_mass
+from oasiskv_runtime.ops.attention_mass import slot_mass, working_set_mass
+from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention_ref
 from oasiskv_runtime.ops.score_topk import rank_topk
 from tests.tiny_models import STUDY_PROMPTS
 
@@ -53,6 +54,53 @@ def test_working_set_mass_matches_a_loop_over_slots(device, seed):
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin].float(), rtol=1e-5, atol=1e-5)
     assert torch.allclose(got.masked_fill(~fin, 0).sum(-1)[fin.any(-1)], torch.tensor(float(grp)))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_slot_mass_from_the_attentions_lse_is_working_set_mass(seed):
+    """The decode step's feedback comes from the exp-sums its attention writes (slot_lse): the same mass as the
+    loop, with the local block and a trailing column (an accepted draft's gap block) left out of the softmax."""
+    g = torch.Generator().manual_seed(seed)
+    B, hkv, grp, D, K, bs, NB = 3, 2, 3, 24, 7, 5, 13
+    q = torch.randn(B, hkv * grp, D, generator=g)
+    k_cache, v_cache = torch.randn(NB, bs, hkv, D, generator=g), torch.randn(NB, bs, hkv, D, generator=g)
+    block_ids = torch.randint(0, NB, (B, hkv, K), generator=g)
+    block_ids[0, 1, 2] = block_ids[2, 0, 6] = -1
+    block_ids[1, 1] = -1
+    want = _mass_loop(q, k_cache, block_ids, 0.37)
+    local = torch.randint(0, NB, (B,), generator=g)
+    gap = torch.randint(0, NB, (B, hkv, 1), generator=g)
+    for table, n in ((block_ids, None), (torch.cat([block_ids, gap], dim=2), K)):
+        lse = torch.empty(B, hkv, grp, table.shape[2])
+        sparse_decode_attention_ref(q[:, None], k_cache, v_cache, table, local, torch.full((B,), 2), 0.37,
+                                    slot_lse=lse)
+        got = slot_mass(lse, n)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(got[fin], want[fin].float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_engine_records_the_mass_its_attention_gave(tiny_qwen3, monkeypatch):
+    """Wiring: each decode step's record is working_set_mass of the step's own query over the table it attended."""
+    from oasiskv_runtime.engine.attention import oasiskv as mod
+    real, checked = mod.sparse_decode_attention, []
+
+    def spy(qs, k_cache, v_cache, block_ids, *args, slot_lse=None, **kw):
+        res = real(qs, k_cache, v_cache, block_ids, *args, slot_lse=slot_lse, **kw)
+        if slot_lse is not None:
+            want = working_set_mass(qs[:, 0], k_cache, block_ids, kw.get("scale", args[2]))
+            got = slot_mass(slot_lse)
+            assert torch.equal(torch.isinf(got), torch.isinf(want))
+            torch.testing.assert_close(got[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-4, atol=1e-5)
+            checked.append(1)
+        return res
+
+    monkeypatch.setattr(mod, "sparse_decode_attention", spy)
+    for mode in ("sparse-resident", "oasiskv"):
+        LLM(tiny_qwen3, mode=mode, top_k_blocks=3, block_size=4, draft="ngram", attended_blocks=2).generate(
+            STUDY_PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0))
+    assert len(checked) > 20
 
 
 def test_keep_blocks_forces_named_candidates_into_the_top_k():

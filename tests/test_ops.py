@@ -152,6 +152,47 @@ def test_attention_ref_matches_naive(BS, Qn, extra, D):
     torch.testing.assert_close(ref.double(), nv, rtol=1e-5, atol=1e-5)
 
 
+def naive_slot_lse(q, kc, bids, scale, num_full=None):
+    """Per (request, KV head, group member, slot): log-sum-exp of the normal row's scaled logits over the slot's
+    block, a float64 loop (-inf for an empty slot or one past num_full)."""
+    B, _, Hq, D = q.shape
+    Hkv, N = bids.shape[1], bids.shape[2]
+    g = Hq // Hkv
+    out = torch.full((B, Hkv, g, N), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(N):
+                blk = int(bids[b, h, j])
+                if blk < 0 or (num_full is not None and j >= int(num_full[b])):
+                    continue
+                for i in range(g):
+                    logits = kc[blk, :, h].double() @ q[b, 0, h * g + i].double() * scale
+                    out[b, h, i, j] = torch.logsumexp(logits, 0)
+    return out
+
+
+@pytest.mark.parametrize("Qn,extra,BS,with_counts", [(2, True, 16, False), (1, False, 8, True), (2, True, 8, True)])
+def test_attention_ref_slot_lse_matches_naive(Qn, extra, BS, with_counts):
+    """The normal row's per-slot log-sum-exp (attended_blocks' feedback), written beside the output without changing
+    it: the local block, the draft's own K/V and padding past num_full are not slots."""
+    gen = _gen(41 + Qn + BS)
+    B, Hkv, g, D, N, NB = 4, 3, 3, 40, 7, 29
+    q, kc, vc, bids, lb, ll, ek, ev = make_attn_inputs(B, Qn, Hkv, g, D, BS, N, NB, extra, gen=gen, empty_head=True)
+    nf = None
+    if with_counts:
+        nf, bids, _ = _padded_tables(gen, B, Hkv, N, NB)
+    lse = torch.full((B, Hkv, g, N), float("nan"))
+    out = sa.sparse_decode_attention_ref(q, kc, vc, bids, lb, ll, 0.21, ek, ev, num_full=nf, slot_lse=lse)
+    want = naive_slot_lse(q, kc, bids, 0.21, nf)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want)) and torch.isinf(want).any()
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(lse[fin].double(), want[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, sa.sparse_decode_attention_ref(q, kc, vc, bids, lb, ll, 0.21, ek, ev,
+                                                                   num_full=nf), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="slot_lse"):
+        sa.sparse_decode_attention_ref(q, kc, vc, bids, lb, ll, 0.21, ek, ev, slot_lse=lse[..., :-1])
+
+
 def test_attention_normal_row_never_sees_draft_kv():
     gen = _gen(7)
     q, kc, vc, bids, lb, ll, ek, ev = make_attn_inputs(3, 2, 3, 3, 48, 16, 6, 20, True, gen=gen)
@@ -406,6 +447,47 @@ def test_attention_kernel_num_full(Qn, extra, cfg):
     ref = sa.sparse_decode_attention_ref(q, kc, vc, padded, lb, ll, 0.125, ek, ev)
     assert _rel(got, ref) < 1e-5 and _rel(without, ref) < 1e-5
     torch.testing.assert_close(got, without, rtol=1e-6, atol=1e-6)
+
+
+SLOT_LSE_CASES = [
+    # B, Qn, Hkv, g, D, BS, N, NB, extra, dtype, config, counts
+    (3, 2, 3, 3, 64, 16, 7, 41, True, torch.bfloat16, None, False),
+    (5, 2, 2, 4, 128, 16, 33, 97, True, torch.bfloat16, {"n_splits": 5, "slots": 2}, True),
+    (4, 1, 3, 2, 128, 8, 19, 50, False, torch.bfloat16, {"n_splits": 3}, False),
+    (5, 2, 3, 3, 64, 16, 11, 70, True, torch.float32, {"n_splits": 3}, True),
+    (7, 2, 8, 4, 128, 16, 129, 1100, True, torch.bfloat16, {"n_splits": 1}, False),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", SLOT_LSE_CASES, ids=lambda c: "B{}Q{}H{}g{}D{}bs{}N{}".format(*c[:7])
+                         + str(c[9]).split(".")[-1] + ("" if c[10] is None else str(c[10])) + ("nf" if c[11] else ""))
+def test_attention_kernel_slot_lse_matches_ref(case):
+    """The kernel's per-slot log-sum-exp against the reference's (poisoned buffer: every slot is written), splits,
+    tiles of several slots, counts and the draft row included; the output is bit-identical to a launch without it."""
+    B, Qn, Hkv, g, D, BS, N, NB, extra, dtype, cfg, counts = case
+    gen = _gen()
+    q, kc, vc, bids, lb, ll, ek, ev = make_attn_inputs(B, Qn, Hkv, g, D, BS, N, NB, extra, dtype=dtype,
+                                                       device="cuda", gen=gen, empty_head=True)
+    nf = None
+    if counts:
+        nf, _, bids = (t.cuda() for t in _padded_tables(gen, B, Hkv, N, NB))  # garbage past the counts
+    scale = D ** -0.5
+    lse = torch.full((B, Hkv, g, N), float("nan"), device="cuda")
+    out = sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, scale, ek, ev, backend="triton", config=cfg,
+                                     num_full=nf, slot_lse=lse)
+    plain = sa.sparse_decode_attention(q, kc, vc, bids, lb, ll, scale, ek, ev, backend="triton", config=cfg,
+                                       num_full=nf)
+    assert torch.equal(out, plain)
+    want = torch.empty_like(lse)
+    up = lambda t: None if t is None else t.float()  # noqa: E731
+    sa.sparse_decode_attention_ref(q.float(), kc.float(), vc.float(), bids, lb, ll, scale, up(ek), up(ev),
+                                   num_full=nf, slot_lse=want)
+    assert not torch.isnan(lse).any() and torch.equal(torch.isinf(lse), torch.isinf(want))
+    fin = torch.isfinite(want)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(lse[fin], want[fin], rtol=0, atol=tol)
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_attention_mass", "candidate_blocks", "prompt_block_mass", "working_set_mass"]
+__all__ = ["block_attention_mass", "candidate_blocks", "prompt_block_mass", "slot_mass", "working_set_mass"]
 
 
 def candidate_blocks(q: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor, num_kv_heads: int,
@@ -92,6 +92,18 @@ def working_set_mass(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Te
     tok_ok = present.view(B, hkv, 1, K, 1).expand(B, hkv, 1, K, bs).reshape(B, hkv, 1, K * bs)
     probs = torch.softmax(logits.masked_fill_(~tok_ok, float("-inf")), dim=-1)  # a head with no slot: NaN, masked
     return probs.view(B, hkv, g, K, bs).sum(dim=(2, 4)).masked_fill_(~present, float("-inf"))
+
+
+def slot_mass(slot_lse: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """:func:`working_set_mass` from the per-slot log-sum-exps the sparse attention writes (its ``slot_lse``,
+    ``[B, Hkv, g, N]``): ``[B, Hkv, n]`` fp32 in ``[0, g]``, ``-inf`` for an empty slot; ``n`` (default N) keeps the
+    first n slots (a step that appended other blocks to the table, e.g. an accepted draft's gap block, leaves them
+    out of the softmax as the definition does). The sum over a slot's tokens is the attention's own, so the decode
+    step gets its feedback without a second read of the working set's keys."""
+    lse = slot_lse if n is None else slot_lse[..., :n]
+    present = lse[:, :, 0] > float("-inf")  # a slot's block is listed for the whole GQA group
+    mass = torch.exp(lse - torch.logsumexp(lse, dim=-1, keepdim=True)).sum(dim=2)  # a head with no slot: NaN
+    return mass.masked_fill_(~present, float("-inf"))
 
 
 def prompt_block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:

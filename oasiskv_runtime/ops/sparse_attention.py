@@ -20,6 +20,11 @@ Layouts (fixed, shared with the engine):
   request ``b`` (a dense table padded to a bucket of ``N``): the kernel's loop stops there instead
   of running over the padding, and the local block counts as slot ``num_full[b]``.
 * returns ``out``: ``[B, Q, Hq, D]`` in q's dtype.
+* ``slot_lse`` (optional output): ``[B, Hkv, g, N]`` fp32, per query head of the normal row (row 0) and
+  working-set slot, the natural-log sum of ``exp(scale * q.k)`` over the slot's tokens (``-inf`` for an empty
+  slot or one past ``num_full``). A softmax of it over the slots, summed over the group, is the mass the step's
+  attention gave each block (:func:`oasiskv_runtime.ops.attention_mass.slot_mass`, ``attended_blocks``): the
+  kernel has those exp-sums in hand, so it costs no second read of the keys.
 
 Two implementations live here:
 
@@ -94,6 +99,12 @@ def _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len, extra_
     return B, Qn, Hq, D, Hkv
 
 
+def _check_slot_lse(slot_lse: torch.Tensor, B: int, Hkv: int, g: int, N: int) -> None:
+    if slot_lse.shape != (B, Hkv, g, N) or slot_lse.dtype != torch.float32 or not slot_lse.is_contiguous():
+        raise ValueError(f"slot_lse must be a contiguous float32 [B, Hkv, g, N] = {(B, Hkv, g, N)}, got "
+                         f"{tuple(slot_lse.shape)} {slot_lse.dtype}")
+
+
 # --------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------
@@ -108,6 +119,7 @@ def sparse_decode_attention_ref(
     extra_k: Optional[torch.Tensor] = None,
     extra_v: Optional[torch.Tensor] = None,
     num_full: Optional[torch.Tensor] = None,
+    slot_lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Plain-PyTorch reference: gather the working set densely, mask, softmax in fp32."""
     B, Qn, Hq, D, Hkv = _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len,
@@ -143,6 +155,9 @@ def sparse_decode_attention_ref(
     qf = q.float().reshape(B, Qn, Hkv, g, D).permute(0, 2, 1, 3, 4)  # [B,Hkv,Qn,g,D]
     s = torch.einsum("bhqgd,bhld->bhqgl", qf, k) * scale
     s = s.masked_fill(~tok_ok, float("-inf"))
+    if slot_lse is not None:  # the normal row's logits over the N listed slots, per slot
+        _check_slot_lse(slot_lse, B, Hkv, g, S - 1)
+        slot_lse.copy_(torch.logsumexp(s[:, :, 0, :, :(S - 1) * BS].reshape(B, Hkv, g, S - 1, BS), dim=-1))
     p = torch.softmax(s, dim=-1)
     o = torch.einsum("bhqgl,bhld->bhqgd", p, v)  # [B,Hkv,Qn,g,D]
     return o.permute(0, 2, 1, 3, 4).reshape(B, Qn, Hq, D).to(q.dtype)
@@ -157,7 +172,7 @@ def _kernels():
     @triton.jit
     def _sparse_attn_fwd(
         Q, K, V, BIDS, LBLK, LLEN, NFULL, EK, EV,
-        OUT, MID_O, MID_M, MID_L,
+        OUT, MID_O, MID_M, MID_L, SLOT_LSE,
         qk_scale,  # softmax scale * log2(e)
         N, slots_per_split, n_splits,
         s_qb, s_qq, s_qh,
@@ -170,6 +185,7 @@ def _kernels():
         D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BS_PAD: tl.constexpr,
         SLOTS: tl.constexpr, M_PAD: tl.constexpr,
         HAS_EXTRA: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_NFULL: tl.constexpr,
+        HAS_LSE: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -221,6 +237,15 @@ def _kernels():
                         mask=kmask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
+            if HAS_LSE:  # per slot of the tile, the normal row's log-sum-exp (natural log) over its tokens
+                s3 = tl.reshape(s, (M_PAD, SLOTS, BS_PAD))
+                m3 = tl.max(s3, 2)
+                m3 = tl.where(m3 > float("-inf"), m3, 0.0)
+                lse = (m3 + tl.log2(tl.sum(tl.exp2(s3 - m3[:, :, None]), 2))) * 0.6931471805599453
+                sl = s0 + tl.arange(0, SLOTS)
+                lse_ok = (rows < G)[:, None] & ((sl < nf) & (sl < end))[None, :]
+                lse_row = (b * HKV + h).to(tl.int64) * G + gi
+                tl.store(SLOT_LSE + lse_row[:, None] * N + sl[None, :], lse, mask=lse_ok)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -326,7 +351,7 @@ def default_config(B: int, Hkv: int, N: int, block_size: int, head_dim: int,
 
 
 def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block, local_len,
-                                    scale, extra_k, extra_v, out=None, config=None, num_full=None):
+                                    scale, extra_k, extra_v, out=None, config=None, num_full=None, slot_lse=None):
     B, Qn, Hq, D, Hkv = _check_shapes(q, k_cache, v_cache, block_ids, local_block, local_len,
                                       extra_k, extra_v, num_full)
     K = _kernels()
@@ -353,6 +378,9 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
     elif out.shape != (B, Qn, Hq, D) or out.stride(-1) != 1:
         raise ValueError("out must be [B, Q, Hq, D] with unit last stride")
 
+    if slot_lse is not None:
+        _check_slot_lse(slot_lse, B, Hkv, g, N)
+        slot_lse.fill_(float("-inf"))  # the kernel writes the slots it visits; padding stays empty
     num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                if q.is_cuda else 132)
     cfg = default_config(B, Hkv, N, BS, D, num_sms)
@@ -384,7 +412,7 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
     with on_device(q):
         K.fwd[(B * Hkv, n_splits)](
             q, k_cache, v_cache, block_ids, local_block, local_len, nfull, ek, ev,
-            out, mid_o, mid_m, mid_l,
+            out, mid_o, mid_m, mid_l, slot_lse if slot_lse is not None else mid_m,
             float(scale) * 1.4426950408889634,
             N, slots_per_split, n_splits,
             q.stride(0), q.stride(1), q.stride(2),
@@ -395,7 +423,7 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
             out.stride(0), out.stride(1), out.stride(2),
             HKV=Hkv, HQ=Hq, G=g, QN=Qn, D=D, D_PAD=D_PAD, BS=BS, BS_PAD=_next_pow2(BS),
             SLOTS=slots, M_PAD=M_PAD, HAS_EXTRA=has_extra, DIRECT=direct, DOT_PREC=dot_prec,
-            HAS_NFULL=has_nfull,
+            HAS_NFULL=has_nfull, HAS_LSE=slot_lse is not None,
             num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
         if not direct:
@@ -423,6 +451,7 @@ def sparse_decode_attention(
     backend: str = "auto",
     config: Optional[dict] = None,
     num_full: Optional[torch.Tensor] = None,
+    slot_lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Stacked look-ahead decode attention over the per-head sparse working set.
 
@@ -430,7 +459,8 @@ def sparse_decode_attention(
     ``"ref"``. ``config`` overrides :func:`default_config` keys (slots, n_splits,
     num_warps, num_stages, dot_prec). ``out`` (optional) receives the result in place.
     ``num_full`` (optional ``[B]``): per request, the slots that may hold blocks; the rest of
-    its table is padding, never visited (see the module docstring).
+    its table is padding, never visited (see the module docstring). ``slot_lse`` (optional, a contiguous
+    float32 ``[B, Hkv, g, N]``) receives the normal row's per-slot log-sum-exp (the module docstring).
     """
     use_triton = backend == "triton" or (
         backend == "auto" and q.is_cuda and k_cache.is_cuda and _triton_available())
@@ -438,11 +468,11 @@ def sparse_decode_attention(
         raise ValueError(f"unknown backend {backend!r}")
     if not use_triton:
         res = sparse_decode_attention_ref(q, k_cache, v_cache, block_ids, local_block, local_len,
-                                          scale, extra_k, extra_v, num_full)
+                                          scale, extra_k, extra_v, num_full, slot_lse)
         if out is not None:
             out.copy_(res)
             return out
         return res
     return _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
                                            local_len, scale, extra_k, extra_v, out=out,
-                                           config=config, num_full=num_full)
+                                           config=config, num_full=num_full, slot_lse=slot_lse)

@@ -29,7 +29,7 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.attention.prefill import ContextAttention
 from oasiskv_runtime.engine.attention.sparse_step import SparseStep
-from oasiskv_runtime.ops.attention_mass import prompt_block_mass, working_set_mass
+from oasiskv_runtime.ops.attention_mass import prompt_block_mass, slot_mass, working_set_mass
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
 from oasiskv_runtime.transfer.host_pool import HostKVPool
@@ -282,21 +282,25 @@ class OasisKVAttention:
                 self.pipeline.fetch(layer, b, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
                                     demand=True)
             block_ids = self.head_map.block_ids(layer, b)
-        if keep is not None:  # what this step's attention gives each block it reads, for the next prediction
-            if self.mode is not Mode.SPARSE_RESIDENT:
-                logical = self.head_map.slot_map[b.state_rows, layer]
-            mass = working_set_mass(q_norm, self.dev_cache.k[layer], block_ids, self.scale)
-            self.head_map.record_attended(layer, b.state_rows, logical, mass)
+        n_slots = block_ids.shape[2]
         if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
             gap = b.derived("gap_i32", lambda: b.gap_block.int()[:, None, None].expand(-1, block_ids.shape[1], 1))
             block_ids = torch.cat([block_ids.int(), gap], dim=2)
         kd, vd = k[b.draft_rows], v[b.draft_rows]
         if self.sparse.accept_drafts:  # kept until the step's tokens are sampled (commit_drafts)
             self.draft_kv.append((kd, vd))
+        # attended_blocks: the attention writes each slot's exp-sum for the next prediction's record
+        slot_lse = None if keep is None else torch.empty(
+            (block_ids.shape[0], block_ids.shape[1], q.shape[1] // block_ids.shape[1], block_ids.shape[2]),
+            dtype=torch.float32, device=q.device)
         res = sparse_decode_attention(qs, self.dev_cache.k[layer], self.dev_cache.v[layer], block_ids.int(),
                                       b.derived("local_block_i32", lambda: b.local_block.int()),
                                       b.derived("local_len_i32", lambda: b.local_len.int()), self.scale,
-                                      kd, vd, backend=self.kernels.backend)
+                                      kd, vd, backend=self.kernels.backend, slot_lse=slot_lse)
+        if slot_lse is not None:  # what this step's attention gave each block it read, for the next prediction
+            if self.mode is not Mode.SPARSE_RESIDENT:
+                logical = self.head_map.slot_map[b.state_rows, layer]
+            self.head_map.record_attended(layer, b.state_rows, logical, slot_mass(slot_lse, n_slots))
         if b.separate_draft_rows:  # every request has its own draft row: both outputs in one index op
             out[qd_rows] = res.flatten(0, 1)
             return
