@@ -33,13 +33,16 @@ MODES = ["dense", "sparse-resident", "fetch-on-demand", "oasiskv", "oasiskv-no-t
 
 
 def build(model: str, mode: str, preloaded, args) -> LLMEngine:
-    real_mode = "oasiskv" if mode == "oasiskv-no-transfer" else mode
+    base, _, extra = mode.partition("+")
+    if extra not in ("", "attended"):
+        raise SystemExit(f"mode {mode!r}: the only suffix is +attended")
+    real_mode = "oasiskv" if base == "oasiskv-no-transfer" else base
     cfg = EngineConfig.from_overrides(model, device="cuda", dtype="bfloat16", mode=real_mode,
                                       kv_cache_gb=args.kv_gb, host_kv_bytes=int(args.host_gb * GiB),
                                       top_k_blocks=args.top_k, fetch_ratio=args.fetch_ratio,
                                       max_num_seqs=max(args.batch_list), draft="ngram",
-                                      attended_blocks=args.attended_blocks if mode != "dense" else 0,
-                                      disable_transfers=mode == "oasiskv-no-transfer")
+                                      attended_blocks=(args.attended_blocks or args.top_k // 4) if extra else 0,
+                                      disable_transfers=base == "oasiskv-no-transfer")
     return LLMEngine(cfg, preloaded=preloaded)
 
 
@@ -206,7 +209,8 @@ def main() -> None:
     ap.add_argument("--sweep", default="0.01,0.05,0.1,0.25,1.0", help="fetch ratios at --sweep-shape")
     ap.add_argument("--sweep-shape", default="64,16384")
     ap.add_argument("--attended-blocks", type=int, default=0,
-                    help="attended_blocks of every sparse mode (fixed when an engine starts: one process per value)")
+                    help="attended_blocks of the modes named with +attended, e.g. --modes oasiskv,oasiskv+attended "
+                         "(0: top_k // 4); fixed when an engine starts, so a mode of its own, not an A/B variant")
     ap.add_argument("--kv-gb", type=float, default=100.0)
     ap.add_argument("--host-gb", type=float, default=40.0)
     ap.add_argument("--warmup", type=int, default=3, help=">= 2 with graphs: a key is captured on its second step")
@@ -251,8 +255,9 @@ def main() -> None:
         preloaded = preloaded or (eng.model, eng.tokenizer, eng.model_config)
         kv_bytes_per_token = eng.model_config.kv_bytes_per_token(2)
         graphs = eng.runner.graphs
-        gathering = mode in ("oasiskv", "fetch-on-demand")  # the modes whose steps run the UVA gather
-        mode_variants = variants if mode == "oasiskv" else list({json.dumps(v, sort_keys=True): v for v in (
+        base = mode.partition("+")[0]
+        gathering = base in ("oasiskv", "fetch-on-demand")  # the modes whose steps run the UVA gather
+        mode_variants = variants if base == "oasiskv" else list({json.dumps(v, sort_keys=True): v for v in (
             {k: x for k, x in v.items() if not k.startswith("demand_fetch")} for v in variants)}.values())
         for ctx in [int(x) for x in args.context.split(",")]:
             for batch in args.batch_list:
