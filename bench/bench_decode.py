@@ -41,7 +41,7 @@ def build(model: str, mode: str, preloaded, args) -> LLMEngine:
                                       kv_cache_gb=args.kv_gb, host_kv_bytes=int(args.host_gb * GiB),
                                       top_k_blocks=args.top_k, fetch_ratio=args.fetch_ratio,
                                       max_num_seqs=max(args.batch_list), draft="ngram",
-                                      attended_blocks=(args.attended_blocks or args.top_k // 4) if extra else 0,
+                                      attended_blocks=args.attended_blocks if extra else 0,
                                       disable_transfers=base == "oasiskv-no-transfer")
     return LLMEngine(cfg, preloaded=preloaded)
 
@@ -231,6 +231,7 @@ def main() -> None:
     ap.add_argument("--graphs", default="off,auto",
                     help="decode-step execution per point, side by side on one engine: off (eager), auto (CUDA graphs)")
     args = ap.parse_args()
+    args.attended_blocks = args.attended_blocks or args.top_k // 4  # what +attended modes run with
     args.batch_list = [int(x) for x in args.batch.split(",")]
     # Every combination of the A/B options given (an option left out is the engine's default, not a key here).
     choices = [[(key, v) for v in _values(getattr(args, key), cast)] for _flag, key, cast, _text in VARIANT_OPTIONS]

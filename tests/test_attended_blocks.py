@@ -89,7 +89,7 @@ def test_the_engine_records_the_mass_its_attention_gave(tiny_qwen3, monkeypatch)
     def spy(qs, k_cache, v_cache, block_ids, *args, slot_lse=None, **kw):
         res = real(qs, k_cache, v_cache, block_ids, *args, slot_lse=slot_lse, **kw)
         if slot_lse is not None:
-            want = working_set_mass(qs[:, 0], k_cache, block_ids, kw.get("scale", args[2]))
+            want = working_set_mass(qs[:, 0], k_cache, block_ids, args[2])  # args: local block, length, scale, ...
             got = slot_mass(slot_lse)
             assert torch.equal(torch.isinf(got), torch.isinf(want))
             torch.testing.assert_close(got[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-4, atol=1e-5)
