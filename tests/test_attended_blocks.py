@@ -9,7 +9,8 @@ import torch
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import SparseConfig
 from oasiskv_runtime.core.head_map import HeadMap
-from oasiskv_runtime.core.predictor import Predictor, keep_blocks
+from oasiskv_runtime.core.predictor import Predictor
+from oasiskv_runtime.ops.attended import keep_blocks_
 from oasiskv_runtime.ops.attention_mass import slot_mass, working_set_mass
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention_ref
 from oasiskv_runtime.ops.score_topk import rank_topk
@@ -115,7 +116,7 @@ def test_keep_blocks_forces_named_candidates_into_the_top_k():
     keep[0, 1, 1] = low[0, 1, 1]
     keep[1, 0] = torch.tensor([9, 40])                        # not a candidate / past the columns: ignored
     keep[1, 2, 0] = int(scores[1, 2, :6].argmin())
-    ids, _ = rank_topk(keep_blocks(scores, keep), nc, k, backend="ref")
+    ids, _ = rank_topk(keep_blocks_(scores.clone(), keep, backend="ref"), nc, k, backend="ref")
     plain, _ = rank_topk(scores, nc, k, backend="ref")
     for b in range(B):
         for h in range(hkv):

@@ -73,6 +73,12 @@ class HeadMap:
         ids = torch.where(torch.isfinite(top), logical.gather(-1, idx), -1)
         if ids.shape[-1] < m:
             ids = torch.nn.functional.pad(ids, (0, m - ids.shape[-1]), value=-1)
+        self.store_attended(layer, rows, ids)
+
+    def store_attended(self, layer: int, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Set the record of ``rows`` ([B]) at ``layer`` to ``ids`` (``[B, Hkv, attended_blocks]`` int64 logical
+        blocks, most attended first, ``-1`` none): what a decode step's
+        :func:`~oasiskv_runtime.ops.attended.attended_topk` made."""
         self.attended[:, layer].index_copy_(0, rows, ids)
 
     def attended_ids(self, layer: int, rows: torch.Tensor) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ import torch
 
 from oasiskv_runtime.core.batch import DecodeBatch
 from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.ops.attended import keep_blocks_
 from oasiskv_runtime.ops.attention_mass import block_attention_mass
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
 from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_rank_scores, quest_scores, rank_topk
@@ -74,10 +75,10 @@ class Predictor:
              keep: torch.Tensor | None = None) -> torch.Tensor:
         """The top-K of block scores ``[B, Hkv, J]`` (``-inf`` beyond each request's ``num_candidates``), with the
         sink, recent and ``keep`` blocks kept: what :meth:`predict` returns for the scores it computes, and what a
-        fill ranks scores made elsewhere with (``fill_window``)."""
+        fill ranks scores made elsewhere with (``fill_window``). ``scores`` may be changed in place."""
         scores = keep_always(scores, num_candidates, self.sink_blocks, self.recent_blocks)
         if keep is not None:
-            scores = keep_blocks(scores, keep)
+            scores = keep_blocks_(scores, keep, backend=self.backend)
         ids, _ = rank_topk(scores, num_candidates, self.k_slots, backend=self.backend, with_valid=False)
         return ids if int32 else ids.long()
 
@@ -93,19 +94,6 @@ def keep_always(scores: torch.Tensor, num_candidates: torch.Tensor, sink_blocks:
     nc = num_candidates.to(scores.device, torch.int64).view(-1, 1)
     keep = ((j < sink_blocks) | (j >= nc - recent_blocks)) & (j < nc)                 # [B, J]
     return scores.masked_fill(keep.unsqueeze(1), float("inf"))
-
-
-def keep_blocks(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``scores`` ``[B, Hkv, J]`` with the logical blocks ``keep`` ``[B, Hkv, M]`` names raised to ``+inf`` (``-1``
-    and blocks past the columns ignored; a block that is no candidate keeps its ``-inf``, so it is never ranked)."""
-    if not keep.shape[-1] or not scores.shape[-1]:
-        return scores
-    ok = (keep >= 0) & (keep < scores.shape[-1])
-    idx = keep.clamp(0, scores.shape[-1] - 1)
-    cand = scores.gather(-1, idx) > float("-inf")  # a column past the request's candidates stays out
-    raise_to = torch.full(idx.shape, float("-inf"), dtype=scores.dtype, device=scores.device)
-    raise_to.masked_fill_(ok & cand, float("inf"))
-    return scores.scatter_reduce(-1, idx, raise_to, reduce="amax")
 
 
 def resident_block_ids(pred: torch.Tensor, primary_table: torch.Tensor) -> torch.Tensor:

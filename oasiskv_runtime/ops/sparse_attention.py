@@ -24,7 +24,9 @@ Layouts (fixed, shared with the engine):
   working-set slot, the natural-log sum of ``exp(scale * q.k)`` over the slot's tokens (``-inf`` for an empty
   slot or one past ``num_full``). A softmax of it over the slots, summed over the group, is the mass the step's
   attention gave each block (:func:`oasiskv_runtime.ops.attention_mass.slot_mass`, ``attended_blocks``): the
-  kernel has those exp-sums in hand, so it costs no second read of the keys.
+  kernel has those exp-sums in hand, so it costs no second read of the keys. It sums the online softmax's own
+  ``p`` per slot with one small ``tl.dot`` of P (in V's dtype, as P @ V reads it) against the tile's token-to-slot
+  one-hot, so a slot ~100 nats under the row's running maximum reads ``-inf`` (no mass, as the softmax gives it).
 
 Two implementations live here:
 
@@ -185,7 +187,7 @@ def _kernels():
         D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BS_PAD: tl.constexpr,
         SLOTS: tl.constexpr, M_PAD: tl.constexpr,
         HAS_EXTRA: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_NFULL: tl.constexpr,
-        HAS_LSE: tl.constexpr,
+        HAS_LSE: tl.constexpr, SL_PAD: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -237,20 +239,24 @@ def _kernels():
                         mask=kmask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
-            if HAS_LSE:  # per slot of the tile, the normal row's log-sum-exp (natural log) over its tokens
-                s3 = tl.reshape(s, (M_PAD, SLOTS, BS_PAD))
-                m3 = tl.max(s3, 2)
-                m3 = tl.where(m3 > float("-inf"), m3, 0.0)
-                lse = (m3 + tl.log2(tl.sum(tl.exp2(s3 - m3[:, :, None]), 2))) * 0.6931471805599453
-                sl = s0 + tl.arange(0, SLOTS)
-                lse_ok = (rows < G)[:, None] & ((sl < nf) & (sl < end))[None, :]
-                lse_row = (b * HKV + h).to(tl.int64) * G + gi
-                tl.store(SLOT_LSE + lse_row[:, None] * N + sl[None, :], lse, mask=lse_ok)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
+            pv = p.to(v.dtype)
+            if HAS_LSE:  # per slot of the tile, the normal row's log-sum-exp (natural log) over its tokens, from
+                # the softmax's own exp2s: m_new + log2(the slot's sum of p), the sums one small tl.dot of P (as
+                # P @ V reads it) with the tile's token-to-slot one-hot (a slot ~100 nats under the running max
+                # underflows to -inf, i.e. no mass, which is what the softmax gives it to fp32 precision)
+                sc = tl.arange(0, SL_PAD)
+                onehot = (tslot[:, None] == sc[None, :]).to(v.dtype)                     # [tokens, SL_PAD]
+                ps = tl.dot(pv, onehot, input_precision=DOT_PREC)                          # [M_PAD, SL_PAD]
+                lse = (m_new[:, None] + tl.log2(ps)) * 0.6931471805599453
+                sl = s0 + sc
+                lse_ok = (rows < G)[:, None] & ((sc < SLOTS) & (sl < nf) & (sl < end))[None, :]
+                lse_row = (b * HKV + h).to(tl.int64) * G + gi
+                tl.store(SLOT_LSE + lse_row[:, None] * N + sl[None, :], lse, mask=lse_ok)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
             m_i = m_new
 
         if HAS_EXTRA:
@@ -380,7 +386,8 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
 
     if slot_lse is not None:
         _check_slot_lse(slot_lse, B, Hkv, g, N)
-        slot_lse.fill_(float("-inf"))  # the kernel writes the slots it visits; padding stays empty
+        if has_nfull:  # the kernel writes every slot before a request's count; the padding past it stays empty
+            slot_lse.fill_(float("-inf"))
     num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                if q.is_cuda else 132)
     cfg = default_config(B, Hkv, N, BS, D, num_sms)
@@ -423,7 +430,7 @@ def _sparse_decode_attention_triton(q, k_cache, v_cache, block_ids, local_block,
             out.stride(0), out.stride(1), out.stride(2),
             HKV=Hkv, HQ=Hq, G=g, QN=Qn, D=D, D_PAD=D_PAD, BS=BS, BS_PAD=_next_pow2(BS),
             SLOTS=slots, M_PAD=M_PAD, HAS_EXTRA=has_extra, DIRECT=direct, DOT_PREC=dot_prec,
-            HAS_NFULL=has_nfull, HAS_LSE=slot_lse is not None,
+            HAS_NFULL=has_nfull, HAS_LSE=slot_lse is not None, SL_PAD=max(16, _next_pow2(slots)),
             num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
         if not direct:

@@ -29,7 +29,8 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.attention.prefill import ContextAttention
 from oasiskv_runtime.engine.attention.sparse_step import SparseStep
-from oasiskv_runtime.ops.attention_mass import prompt_block_mass, slot_mass, working_set_mass
+from oasiskv_runtime.ops.attended import attended_topk
+from oasiskv_runtime.ops.attention_mass import prompt_block_mass, working_set_mass
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
 from oasiskv_runtime.transfer.host_pool import HostKVPool
@@ -300,7 +301,8 @@ class OasisKVAttention:
         if slot_lse is not None:  # what this step's attention gave each block it read, for the next prediction
             if self.mode is not Mode.SPARSE_RESIDENT:
                 logical = self.head_map.slot_map[b.state_rows, layer]
-            self.head_map.record_attended(layer, b.state_rows, logical, slot_mass(slot_lse, n_slots))
+            self.head_map.store_attended(layer, b.state_rows, attended_topk(
+                slot_lse, logical, self.sparse.attended_blocks, n_slots, backend=self.kernels.backend))
         if b.separate_draft_rows:  # every request has its own draft row: both outputs in one index op
             out[qd_rows] = res.flatten(0, 1)
             return
