@@ -23,6 +23,9 @@
 #                    K = 32; set ATT per call for one length)
 #   GROUP=fill       the working set a prefill leaves filled by the exact attention mass of the prompt's last FW rows
 #                    (fill_window; default "0,32") at the PAIRS points, block size 8, n-gram draft, MODES (oasiskv)
+#   GROUP=sweep      any option at the default block size: per PAIRS length:K, MODES (oasiskv) with EXTRA and
+#                    --sweep "$SWEEP" (e.g. SWEEP=fill_window=0,32); "@K4@" in EXTRA or SWEEP is K / 4 at each point
+#                    (EXTRA="--set attended_blocks=@K4@")
 # TAG names a call's output (default GROUP) so two calls of one group on a warm machine keep both; MODES replaces
 # the attended group's modes (e.g. MODES=oasiskv when EXTRA changes only oasiskv's fetch).
 # Each accuracy command's run directory goes into $OUT/<tag>.tar.gz (re-packed every 20 s, so a call that runs out
@@ -101,6 +104,13 @@ case ${GROUP:-budget} in
           acc "fill-$CTX-$K" "${ACC_S:-200}" --modes "${MODES:-oasiskv}" --top-k-blocks "$K" --set block_size=8 \
             ${EXTRA:-} --sweep "fill_window=${FW:-0,32}"
         done ;;
+  sweep) DRAFT=ngram
+         for pair in ${PAIRS:-2048:16 4096:32}; do
+           CTX=${pair%%:*} K=${pair##*:}
+           extra=${EXTRA:-} sweep=${SWEEP:?set SWEEP, e.g. fill_window=0,32}
+           acc "$NAME-$CTX-$K" "${ACC_S:-200}" --modes "${MODES:-oasiskv}" --top-k-blocks "$K" \
+             ${extra//@K4@/$((K / 4))} --sweep "${sweep//@K4@/$((K / 4))}"
+         done ;;
   fixes) acc recent "${ACC_S:-400}" --modes dense,sparse-resident,oasiskv --top-k-blocks 32 --sweep recent_blocks=2,4 ;;
 esac
 kill $packer 2>/dev/null; pack
