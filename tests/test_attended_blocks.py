@@ -196,12 +196,21 @@ def test_each_prediction_keeps_the_blocks_the_last_step_attended_most(tiny_qwen3
     assert not seen and without != with_rec
 
 
-def test_attended_blocks_is_refused_on_vllm_by_name(tmp_path):
-    from oasisbench.runners.accuracy import AccuracyConfig
+def test_attended_blocks_on_vllm_is_for_the_host_pool_modes(tmp_path):
+    """The vLLM front end runs the feedback where it keeps per-request state (proxy-prefetch, oasiskv: the host-pool
+    runtime's ``HeadMap``); its sparse-resident keeps none between steps and refuses the option by name."""
+    from oasisbench.runners.accuracy import AccuracyConfig, _vllm_plan
+    from oasiskv_runtime.vllm.options import VllmOptions
 
+    cfg = AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "oasiskv"), engine="vllm",
+                         output_dir=tmp_path, options=(("attended_blocks", 2),))
+    plans = {mode: _vllm_plan(cfg, mode, setting) for mode, setting in cfg.settings()}
+    assert plans["oasiskv"].plugin["attended_blocks"] == 2 and plans["dense"].plugin is None
+    with pytest.raises(ValueError, match="attended_blocks is for the host-pool modes"):
+        VllmOptions(mode="sparse-resident", attended_blocks=2)
     with pytest.raises(ValueError, match="attended_blocks"):
-        AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "oasiskv"), engine="vllm", output_dir=tmp_path,
-                       options=(("attended_blocks", 2),))
+        AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "sparse-resident"), engine="vllm",
+                       output_dir=tmp_path, options=(("attended_blocks", 2),))
 
 
 @pytest.mark.slow

@@ -445,16 +445,18 @@ class _Replay:
             self.monkeypatch.setattr(host_pool, "capturing", lambda: False)
 
 
-@pytest.mark.parametrize("tier", [0, 2])
+@pytest.mark.parametrize("tier, attended", [(0, 0), (2, 0), (0, 2)])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, monkeypatch):
+def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, monkeypatch):
     """No vLLM: two host-pool runtimes (oasiskv, K = 4, cap 2; on CUDA the prefetch on its side streams) take the
     same requests (three prompts prefilled and filled, then decode steps). One runs every step eagerly; the other
     has captured a decode step of vLLM's padded static layout (four rows, one padding) before any request existed,
     as vLLM does at start-up, and replays it for each decode step after ``replay_step`` (the host part the KV
     connector runs). Every decode output, the per-head maps and the working sets' contents are the same. With
     ``tier`` the replayed runtime keeps that many of its four rows in a device tier (``device_tier_gb``; the
-    requests take tier rows first): where a row's full KV lives changes none of it."""
+    requests take tier rows first): where a row's full KV lives changes none of it. With ``attended`` (attention
+    feedback, ``attended_blocks``) both record the same blocks, and every recorded block is in its head's working
+    set after the step (the next prediction kept it)."""
     from oasiskv_runtime.vllm.batch import plan_step
     from oasiskv_runtime.vllm.host_pool import HostPoolRuntime
     from oasiskv_runtime.vllm.requests import StepEvents
@@ -462,7 +464,7 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, monkeypatc
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     layers, hq, hkv, d, nb, rows, max_len = 2, 4, 2, 64, 48, 4, 12 * BS
-    opts = VllmOptions(mode="oasiskv", top_k_blocks=4, fetch_ratio=0.5, cuda_graphs="full")
+    opts = VllmOptions(mode="oasiskv", top_k_blocks=4, fetch_ratio=0.5, cuda_graphs="full", attended_blocks=attended)
     caches = [(torch.randn(nb, BS, hkv, d, device=device, dtype=dtype),
                torch.randn(nb, BS, hkv, d, device=device, dtype=dtype)) for _ in range(layers)]
     prompts = [100, 70, 130]
@@ -552,6 +554,15 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, monkeypatc
             torch.testing.assert_close(static_outs[layer][:3].float(), outs[layer][:3].float(), rtol=2e-2,
                                        atol=2e-2)
         assert torch.equal(graphed.head_map.slot_map, eager.head_map.slot_map)
+        if attended:
+            rec = eager.head_map.attended
+            assert torch.equal(graphed.head_map.attended, rec)
+            for r in ids:
+                row = eager.head_map.rows[r]
+                for layer in range(layers):
+                    for h in range(hkv):
+                        kept = {int(x) for x in rec[row, layer, h] if x >= 0}
+                        assert kept and kept <= {int(x) for x in eager.head_map.slot_map[row, layer, h]}
     assert torch.equal(graphed.head_map.last_sel, eager.head_map.last_sel)
     for layer in range(layers):  # the working sets of the three requests' rows (the scratch row aside)
         used = sorted(eager.head_map.rows[r] for r in ids)
@@ -1081,10 +1092,12 @@ _HOST_STEPS = [
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
-@pytest.mark.parametrize("mode, top_k, graphs", [("oasiskv", 16, False), ("proxy-prefetch", 16, False),
-                                                 ("oasiskv", 2, False), ("proxy-prefetch", 2, False),
-                                                 ("oasiskv", 2, True), ("proxy-prefetch", 16, True)])
-def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k, graphs):
+@pytest.mark.parametrize("mode, top_k, graphs, attended", [
+    ("oasiskv", 16, False, 0), ("proxy-prefetch", 16, False, 0), ("oasiskv", 2, False, 0),
+    ("proxy-prefetch", 2, False, 0), ("oasiskv", 2, True, 0), ("proxy-prefetch", 16, True, 0),
+    ("oasiskv", 3, False, 1), ("oasiskv", 16, True, 4)])
+def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k, graphs,
+                                                                 attended):
     """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
     given by hand. Every prefill row equals causal attention (vLLM's kernel); a decode row attends exactly what its
     working set holds: with top-K covering the context, that is causal attention (exact); with top-K 2, the blocks
@@ -1095,13 +1108,14 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
     ``graphs``: cuda_graphs='full' as vLLM would run it, on the CPU: every decode-only step without a fill is a
     "replay": its host part by ``replay_step`` (what the connector's ``start_load_kv`` runs), then the forward's
     capture path (what a capture records; a replay runs those ops again on new values) on vLLM's padded batch (a
-    padding request appended). Same references, same checks (no recall: it needs the host)."""
+    padding request appended). Same references, same checks (no recall: it needs the host). ``attended``: with
+    attention feedback (``attended_blocks``) the same holds: it changes only what the predictions choose."""
     from oasiskv_runtime.vllm import connector, host_pool
     from oasiskv_runtime.vllm.requests import StepEvents
 
     torch.manual_seed(0)
     step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=not graphs,
-                 cuda_graphs="full" if graphs else "off")
+                 cuda_graphs="full" if graphs else "off", attended_blocks=attended)
     step.builder.full_graphs = graphs  # the builder's static plans (CUDA only in an engine)
     replays = 0
     nb = 40

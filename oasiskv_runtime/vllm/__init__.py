@@ -86,7 +86,7 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                 block_size: int = 16, sink_blocks: int = 0, backend: str = "auto", measure_recall: bool = False,
                 platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest",
                 cuda_graphs: str = "auto", admission: str = "auto", host_pool_gb: float | str = "auto",
-                device_tier_gb: float = 0.0) -> dict[str, Any]:
+                device_tier_gb: float = 0.0, attended_blocks: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -106,7 +106,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     per running request; when its rows are all held, new requests wait. ``auto``: 80% of the host's available
     memory now (:data:`HOST_POOL_FRACTION`; where that is unknown, ``max_num_seqs`` rows); 0: ``max_num_seqs`` rows.
     ``device_tier_gb`` (host-pool modes): GiB of device memory beside vLLM's cache for more rows than the host pool
-    holds (``VllmOptions.device_tier_gb``); 0: none.
+    holds (``VllmOptions.device_tier_gb``); 0: none. ``attended_blocks`` (host-pool modes): the blocks each step's
+    attention weighed most that the next prediction keeps (``VllmOptions.attended_blocks``); 0: none.
     ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
@@ -121,7 +122,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     opts = VllmOptions(mode=mode, top_k_blocks=top_k_blocks, fetch_ratio=fetch_ratio, block_size=block_size,
                        sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
                        recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs,
-                       admission=admission, host_pool_gb=host_pool_gb, device_tier_gb=device_tier_gb)
+                       admission=admission, host_pool_gb=host_pool_gb, device_tier_gb=device_tier_gb,
+                       attended_blocks=attended_blocks)
     parsed = opts.parsed_mode
     out: dict[str, Any] = {}
     spec = speculative_config(draft)

@@ -43,6 +43,7 @@ from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.ops.attended import attended_topk
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
@@ -147,7 +148,8 @@ class HostPoolRuntime:
         """Device memory beside vLLM's KV cache (outside its ``kv_cache_memory_bytes``): working sets, summaries, the
         device tier."""
         self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
-        self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device)
+        self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device,
+                                attended_blocks=opts.attended_blocks)
         self.head_map.free_rows.remove(self.scratch_row)
         self.predictor = Predictor(summaries, num_kv_heads, k, opts.sink_blocks, backend, opts.selection_score,
                                    scale=scale, recent_blocks=opts.recent_blocks)
@@ -391,11 +393,22 @@ class HostPoolRuntime:
                 self.pipeline.record_recall(layer, core, qs[:, 0])
             ids = self.head_map.block_ids(layer, core)                                   # [B, Hkv, K]
             gap = d.gap_block[:, None, None].expand(-1, ids.shape[1], 1)
+            k_slots = ids.shape[2]
             ids = torch.cat([ids, gap.to(ids.dtype)], dim=2)
+            # attended_blocks: the attention writes each slot's exp-sum, the record keeps the heaviest for the next
+            # prediction (the embedded engine's; rows without a working set have empty slots: an empty record)
+            slot_lse = None if self.head_map.attended is None else torch.empty(
+                (n, ids.shape[1], qs.shape[2] // ids.shape[1], ids.shape[2]), dtype=torch.float32,
+                device=qs.device)
             res = sparse_decode_attention(qs, self.ws.k[layer], self.ws.v[layer], ids.int(),
                                           core.derived("local_block_i32", lambda: core.local_block.int()),
                                           core.derived("local_len_i32", lambda: core.local_len.int()), scale,
-                                          key[b.draft_rows], value[b.draft_rows], backend=self.opts.backend)
+                                          key[b.draft_rows], value[b.draft_rows], backend=self.opts.backend,
+                                          slot_lse=slot_lse)
+            if slot_lse is not None:
+                logical = self.head_map.slot_map[core.state_rows, layer]
+                self.head_map.store_attended(layer, core.state_rows, attended_topk(
+                    slot_lse, logical, self.opts.attended_blocks, k_slots, backend=self.opts.backend))
         if st.fallback:
             dense = self._resident(qs, b, key, value, k_cache, v_cache, scale)
             res = dense if d is None else torch.where(d.ready[:, None, None, None], res, dense)

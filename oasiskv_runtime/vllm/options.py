@@ -44,6 +44,10 @@ class VllmOptions:
     """Also vLLM's KV block size (``engine_args`` sets it): vLLM's kernels take multiples of 16."""
     sink_blocks: int = _default("sink_blocks")
     recent_blocks: int = _default("recent_blocks")
+    attended_blocks: int = _default("attended_blocks")
+    """Host-pool modes: each decode step records per KV head the working-set blocks its attention weighed most, and
+    the next prediction keeps this many of them (the embedded engine's option; counted in ``top_k_blocks``).
+    Sparse-resident on vLLM keeps no per-request state between steps and refuses it."""
     selection_score: str = _default("selection_score")
     """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` and ``gauss`` are
     embedded-engine study settings)."""
@@ -102,6 +106,9 @@ class VllmOptions:
         if self.device_tier_gb > 0 and self.host_pool_gb <= 0:
             raise ValueError("device_tier_gb adds rows once the host pool's are all held: set host_pool_gb too (0 "
                              "gives the host pool max_num_seqs rows, and the tier none)")
+        if self.attended_blocks and self.parsed_mode is Mode.SPARSE_RESIDENT:
+            raise ValueError(f"attended_blocks is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
+                             f"{self.mode}: sparse-resident there keeps no per-request record between steps")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
@@ -109,7 +116,8 @@ class VllmOptions:
     def sparse(self) -> SparseConfig:
         """The embedded engine's algorithm section with these options: its checks and its ``fetch_cap``."""
         return SparseConfig(top_k_blocks=self.top_k_blocks, fetch_ratio=self.fetch_ratio, sink_blocks=self.sink_blocks,
-                            recent_blocks=self.recent_blocks, selection_score=self.selection_score)
+                            recent_blocks=self.recent_blocks, selection_score=self.selection_score,
+                            attended_blocks=self.attended_blocks)
 
     @property
     def parsed_mode(self) -> Mode:
