@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from oasiskv_runtime.ops.attended import attended_topk, heaviest_blocks
+
 
 class HeadMap:
     """``slot_map`` / ``last_sel``: ``[max_rows, num_layers, Hkv, K]`` int64 on ``device`` (None in modes whose
@@ -68,17 +70,25 @@ class HeadMap:
     def record_attended(self, layer: int, rows: torch.Tensor, logical: torch.Tensor, mass: torch.Tensor) -> None:
         """Keep, for ``rows`` ([B]), the ``attended_blocks`` logical blocks of ``logical`` ([B, Hkv, K], -1 empty)
         with the most attention ``mass`` ([B, Hkv, K], -inf empty) this step, most first."""
-        m = self.attended.shape[-1]
-        top, idx = mass.topk(min(m, mass.shape[-1]), dim=-1)
-        ids = torch.where(torch.isfinite(top), logical.gather(-1, idx), -1)
-        if ids.shape[-1] < m:
-            ids = torch.nn.functional.pad(ids, (0, m - ids.shape[-1]), value=-1)
-        self.store_attended(layer, rows, ids)
+        self.attended[:, layer].index_copy_(0, rows, heaviest_blocks(mass, logical, self.attended.shape[-1]))
 
-    def store_attended(self, layer: int, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        """Set the record of ``rows`` ([B]) at ``layer`` to ``ids`` (``[B, Hkv, attended_blocks]`` int64 logical
-        blocks, most attended first, ``-1`` none): what a decode step's
-        :func:`~oasiskv_runtime.ops.attended.attended_topk` made."""
+    def lse_buffer(self, block_ids: torch.Tensor, num_q_heads: int) -> torch.Tensor | None:
+        """The ``slot_lse`` output a decode step's sparse attention over ``block_ids`` (``[B, Hkv, N]``) writes for
+        :meth:`record_lse` (``[B, Hkv, g, N]`` fp32); None unless ``attended_blocks``."""
+        if self.attended is None:
+            return None
+        B, hkv, n = block_ids.shape
+        return torch.empty((B, hkv, num_q_heads // hkv, n), dtype=torch.float32, device=block_ids.device)
+
+    def record_lse(self, layer: int, rows: torch.Tensor, slot_lse: torch.Tensor, n: int, backend: str,
+                   logical: torch.Tensor | None = None) -> None:
+        """Keep, for ``rows`` ([B]), the blocks of the first ``n`` slots that held the most of a decode step's
+        attention, from the per-slot log-sum-exps its sparse attention wrote (:meth:`lse_buffer`) in one launch
+        (:func:`~oasiskv_runtime.ops.attended.attended_topk`). ``logical`` (``[B, Hkv, >= n]``): the block in each
+        slot; default the rows' working sets at ``layer`` (the prefetching modes)."""
+        if logical is None:
+            logical = self.slot_map[rows, layer]
+        ids = attended_topk(slot_lse, logical, self.attended.shape[-1], n, backend=backend)
         self.attended[:, layer].index_copy_(0, rows, ids)
 
     def attended_ids(self, layer: int, rows: torch.Tensor) -> torch.Tensor | None:

@@ -19,20 +19,25 @@ from __future__ import annotations
 import torch
 
 from oasiskv_runtime.ops.attention_mass import slot_mass
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
+from oasiskv_runtime.ops.common import lazy_kernels, next_pow2, on_device, use_triton
 
-__all__ = ["attended_topk", "attended_topk_ref", "keep_blocks_", "keep_blocks_ref_"]
+__all__ = ["attended_topk", "attended_topk_ref", "heaviest_blocks", "keep_blocks_", "keep_blocks_ref_"]
+
+
+def heaviest_blocks(mass: torch.Tensor, logical: torch.Tensor, m: int) -> torch.Tensor:
+    """``[B, Hkv, m]`` int64: the ``m`` blocks of ``logical`` (``[B, Hkv, n]``) with the most ``mass`` (``[B, Hkv,
+    n]``, ``-inf`` empty), most first, ``-1`` past the present ones: what a record of ``attended_blocks`` holds."""
+    top, idx = mass.topk(min(m, mass.shape[-1]), dim=-1)
+    ids = torch.where(torch.isfinite(top), logical.long().gather(-1, idx), -1)
+    if ids.shape[-1] < m:
+        ids = torch.nn.functional.pad(ids, (0, m - ids.shape[-1]), value=-1)
+    return ids
 
 
 def attended_topk_ref(slot_lse: torch.Tensor, logical: torch.Tensor, m: int, n: int | None = None) -> torch.Tensor:
     """The reference of :func:`attended_topk` (module docstring)."""
     n = slot_lse.shape[-1] if n is None else n
-    mass = slot_mass(slot_lse, n)                                           # [B, Hkv, n], -inf: empty
-    top, idx = mass.topk(min(m, n), dim=-1)
-    ids = torch.where(torch.isfinite(top), logical[..., :n].long().gather(-1, idx), -1)
-    if ids.shape[-1] < m:
-        ids = torch.nn.functional.pad(ids, (0, m - ids.shape[-1]), value=-1)
-    return ids
+    return heaviest_blocks(slot_mass(slot_lse, n), logical[..., :n], m)
 
 
 def keep_blocks_ref_(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -96,12 +101,6 @@ def _kernels():
     return _attended_topk_kernel, _keep_blocks_kernel
 
 
-def _use_triton(backend: str, t: torch.Tensor) -> bool:
-    if backend not in ("auto", "triton", "ref"):
-        raise ValueError(f"unknown backend {backend!r}")
-    return backend == "triton" or (backend == "auto" and t.is_cuda and loads(_kernels))
-
-
 def attended_topk(slot_lse: torch.Tensor, logical: torch.Tensor, m: int, n: int | None = None, *,
                   backend: str = "auto") -> torch.Tensor:
     """``[B, Hkv, m]`` int64: per request and KV head the ``m`` logical blocks of ``logical`` (``[B, Hkv, >= n]``)
@@ -112,7 +111,7 @@ def attended_topk(slot_lse: torch.Tensor, logical: torch.Tensor, m: int, n: int 
     if not 0 <= n <= N or logical.shape[:2] != (B, hkv) or logical.shape[-1] < n:
         raise ValueError(f"slot_lse {tuple(slot_lse.shape)}, logical {tuple(logical.shape)}, n {n}: need n <= N "
                          f"and logical [B, Hkv, >= n]")
-    if not _use_triton(backend, slot_lse) or B == 0 or m == 0 or n == 0:
+    if not use_triton(backend, slot_lse, _kernels) or B == 0 or m == 0 or n == 0:
         return attended_topk_ref(slot_lse, logical, m, n)
     if slot_lse.dtype != torch.float32 or not slot_lse.is_contiguous() or logical.stride(-1) != 1:
         raise ValueError("slot_lse must be contiguous float32 and logical unit-stride in its last dim")
@@ -132,7 +131,7 @@ def keep_blocks_(scores: torch.Tensor, keep: torch.Tensor, *, backend: str = "au
         raise ValueError(f"keep {tuple(keep.shape)} does not match scores {tuple(scores.shape)} in [B, Hkv]")
     B, hkv, J = scores.shape
     M = keep.shape[-1]
-    if not _use_triton(backend, scores) or not (B and M and J):
+    if not use_triton(backend, scores, _kernels) or not (B and M and J):
         return keep_blocks_ref_(scores, keep)
     if scores.stride(-1) != 1 or keep.stride(-1) != 1:
         raise ValueError("scores and keep must be unit-stride in their last dim")

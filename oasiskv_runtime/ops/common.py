@@ -24,6 +24,15 @@ def loads(loader: Callable[[], object]) -> bool:
         return False
 
 
+def use_triton(backend: str, t: torch.Tensor, loader: Callable[[], object]) -> bool:
+    """Whether an op runs its Triton kernel (``loader``: the module's lazy kernel builder) on ``t``'s data:
+    ``backend="triton"`` always, ``"auto"`` on CUDA tensors when the kernels load, ``"ref"`` never (the
+    plain-PyTorch reference); any other name is an error."""
+    if backend not in ("auto", "triton", "ref"):
+        raise ValueError(f"unknown backend {backend!r}")
+    return backend == "triton" or (backend == "auto" and t.is_cuda and loads(loader))
+
+
 def on_device(t: torch.Tensor):
     """The context a kernel launch on ``t``'s data runs in: its CUDA device current (a tensor on cuda:1 needs
     cuda:1's stream); nothing for CPU tensors (Triton's interpreter)."""

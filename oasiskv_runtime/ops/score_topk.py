@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
+from oasiskv_runtime.ops.common import lazy_kernels, next_pow2, on_device, use_triton
 
 __all__ = ["score_topk", "score_topk_ref", "quest_scores_ref", "quest_scores", "minmax_mass_scores", "select_topk",
            "select_topk_triton"]
@@ -263,14 +263,8 @@ def _kernels():
     return SimpleNamespace(score=_quest_score_kernel, rank=_rank_topk_kernel)
 
 
-def _triton_available() -> bool:
-    return loads(_kernels)
-
-
 def _use_triton(backend: str, t: torch.Tensor) -> bool:
-    if backend not in ("auto", "triton", "ref"):
-        raise ValueError(f"unknown backend {backend!r}")
-    return backend == "triton" or (backend == "auto" and t.is_cuda and _triton_available())
+    return use_triton(backend, t, _kernels)
 
 
 def quest_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,
@@ -378,8 +372,7 @@ def score_topk(q: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
         raise ValueError(f"unknown backend {backend!r}")
     if rank not in ("triton", "torch"):
         raise ValueError(f"unknown rank {rank!r}")
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and _triton_available())
-    if not use_triton:
+    if not _use_triton(backend, q):
         return score_topk_ref(q, sum_min, sum_max, summary_block_table, num_candidates, k,
                               num_kv_heads, max_candidates)
     s = quest_scores(q, sum_min, sum_max, summary_block_table, num_candidates, num_kv_heads,

@@ -43,7 +43,6 @@ from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
-from oasiskv_runtime.ops.attended import attended_topk
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
@@ -397,18 +396,14 @@ class HostPoolRuntime:
             ids = torch.cat([ids, gap.to(ids.dtype)], dim=2)
             # attended_blocks: the attention writes each slot's exp-sum, the record keeps the heaviest for the next
             # prediction (the embedded engine's; rows without a working set have empty slots: an empty record)
-            slot_lse = None if self.head_map.attended is None else torch.empty(
-                (n, ids.shape[1], qs.shape[2] // ids.shape[1], ids.shape[2]), dtype=torch.float32,
-                device=qs.device)
+            slot_lse = self.head_map.lse_buffer(ids, qs.shape[2])
             res = sparse_decode_attention(qs, self.ws.k[layer], self.ws.v[layer], ids.int(),
                                           core.derived("local_block_i32", lambda: core.local_block.int()),
                                           core.derived("local_len_i32", lambda: core.local_len.int()), scale,
                                           key[b.draft_rows], value[b.draft_rows], backend=self.opts.backend,
                                           slot_lse=slot_lse)
             if slot_lse is not None:
-                logical = self.head_map.slot_map[core.state_rows, layer]
-                self.head_map.store_attended(layer, core.state_rows, attended_topk(
-                    slot_lse, logical, self.opts.attended_blocks, k_slots, backend=self.opts.backend))
+                self.head_map.record_lse(layer, core.state_rows, slot_lse, k_slots, self.opts.backend)
         if st.fallback:
             dense = self._resident(qs, b, key, value, k_cache, v_cache, scale)
             res = dense if d is None else torch.where(d.ready[:, None, None, None], res, dense)

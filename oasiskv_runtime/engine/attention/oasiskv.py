@@ -29,7 +29,6 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.attention.prefill import ContextAttention
 from oasiskv_runtime.engine.attention.sparse_step import SparseStep
-from oasiskv_runtime.ops.attended import attended_topk
 from oasiskv_runtime.ops.attention_mass import prompt_block_mass, working_set_mass
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
@@ -291,18 +290,14 @@ class OasisKVAttention:
         if self.sparse.accept_drafts:  # kept until the step's tokens are sampled (commit_drafts)
             self.draft_kv.append((kd, vd))
         # attended_blocks: the attention writes each slot's exp-sum for the next prediction's record
-        slot_lse = None if keep is None else torch.empty(
-            (block_ids.shape[0], block_ids.shape[1], q.shape[1] // block_ids.shape[1], block_ids.shape[2]),
-            dtype=torch.float32, device=q.device)
+        slot_lse = self.head_map.lse_buffer(block_ids, q.shape[1])
         res = sparse_decode_attention(qs, self.dev_cache.k[layer], self.dev_cache.v[layer], block_ids.int(),
                                       b.derived("local_block_i32", lambda: b.local_block.int()),
                                       b.derived("local_len_i32", lambda: b.local_len.int()), self.scale,
                                       kd, vd, backend=self.kernels.backend, slot_lse=slot_lse)
         if slot_lse is not None:  # what this step's attention gave each block it read, for the next prediction
-            if self.mode is not Mode.SPARSE_RESIDENT:
-                logical = self.head_map.slot_map[b.state_rows, layer]
-            self.head_map.store_attended(layer, b.state_rows, attended_topk(
-                slot_lse, logical, self.sparse.attended_blocks, n_slots, backend=self.kernels.backend))
+            self.head_map.record_lse(layer, b.state_rows, slot_lse, n_slots, self.kernels.backend,
+                                     logical if self.mode is Mode.SPARSE_RESIDENT else None)
         if b.separate_draft_rows:  # every request has its own draft row: both outputs in one index op
             out[qd_rows] = res.flatten(0, 1)
             return
