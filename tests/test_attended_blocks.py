@@ -217,29 +217,31 @@ def test_attended_blocks_on_vllm_is_for_the_host_pool_modes(tmp_path):
 @pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
 def test_the_end_of_prefill_seeds_the_record_with_the_dense_attentions_heaviest_blocks(tiny_qwen3, monkeypatch, mode):
     """A prefill attends the whole context, so the first sparse step starts from the blocks its last row weighed most
-    (over the full blocks, the next step's candidates), checked against a per-head loop on the same keys."""
+    (its attention over every key of the prompt, summed per full block: the next step's candidates), checked
+    against a per-head loop on the same keys."""
     from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
 
-    real = OasisKVAttention._record_dense_attention
+    real = OasisKVAttention._end_of_prefill
     checked = []
 
-    def spy(self, layer, s, q, ks):
-        real(self, layer, s, q, ks)
-        bs, hkv = self.dev_cache.block_size, ks.shape[1]
-        j = s.context_len // bs
+    def spy(self, layer, s, q, ks, seed, fills):
+        out = real(self, layer, s, q, ks, seed, fills)
+        bs, hkv, n = self.dev_cache.block_size, ks.shape[1], s.context_len
+        j = n // bs
         qrow = q[s.query_start + s.num_query - 1].double()
         g = qrow.shape[0] // hkv
         want = torch.zeros(hkv, j, dtype=torch.float64)
         for h in range(hkv):
-            keys = ks[:j * bs, h].double()
+            keys = ks[:n, h].double()
             for i in range(h * g, (h + 1) * g):
-                want[h] += torch.softmax(keys @ qrow[i] * self.scale, dim=0).view(j, bs).sum(1)
+                want[h] += torch.softmax(keys @ qrow[i] * self.scale, dim=0)[:j * bs].view(j, bs).sum(1)
         got = self.head_map.attended[self.head_map.rows[s.seq_id], layer]
         m = got.shape[-1]
-        assert torch.equal(got, want.topk(m, dim=-1).indices), (layer, got, want)
+        assert seed and torch.equal(got, want.topk(m, dim=-1).indices), (layer, got, want)
         checked.append(layer)
+        return out
 
-    monkeypatch.setattr(OasisKVAttention, "_record_dense_attention", spy)
+    monkeypatch.setattr(OasisKVAttention, "_end_of_prefill", spy)
     llm = LLM(tiny_qwen3, mode=mode, top_k_blocks=4, block_size=4, draft="ngram", attended_blocks=2)
     llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(checked) == len(PROMPTS) * llm.engine.model_config.num_layers

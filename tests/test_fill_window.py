@@ -59,12 +59,21 @@ def test_fill_window_needs_a_prefetching_mode(mode):
         EngineConfig.from_overrides("qwen3-8b", mode="oasiskv", fill_window=-1, draft="ngram")
 
 
-def test_fill_window_is_refused_on_vllm_by_name(tmp_path):
-    from oasisbench.runners.accuracy import AccuracyConfig
+def test_fill_window_on_vllm_is_for_the_host_pool_modes(tmp_path):
+    """The vLLM front end fills working sets in its host-pool modes (``vllm/host_pool.py``; tested without vLLM in
+    test_vllm_plugin.py); sparse-resident fills none and refuses the option by name."""
+    from oasisbench.runners.accuracy import AccuracyConfig, _vllm_plan
+    from oasiskv_runtime.vllm.options import VllmOptions
 
+    cfg = AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "oasiskv"), engine="vllm", output_dir=tmp_path,
+                         options=(("fill_window", 16),))
+    plans = {mode: _vllm_plan(cfg, mode, setting) for mode, setting in cfg.settings()}
+    assert plans["oasiskv"].plugin["fill_window"] == 16 and plans["dense"].plugin is None
+    with pytest.raises(ValueError, match="fill_window is for the host-pool modes"):
+        VllmOptions(mode="sparse-resident", fill_window=16)
     with pytest.raises(ValueError, match="fill_window"):
-        AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "oasiskv"), engine="vllm", output_dir=tmp_path,
-                       options=(("fill_window", 16),))
+        AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "sparse-resident"), engine="vllm",
+                       output_dir=tmp_path, options=(("fill_window", 16),))
 
 
 PROMPTS = STUDY_PROMPTS

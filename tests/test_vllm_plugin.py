@@ -485,7 +485,7 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, 
             rt.write(layer, k, v, kc)
             if plan.num_decodes:
                 rt.decode(layer, q, k, v, kc, vc, d ** -0.5, outs[layer])
-            rt.after_attention(layer, q, kc, vc)
+            rt.after_attention(layer, q, kc, vc, d ** -0.5)
 
     def step_inputs(query_lens, seq_lens, table):
         qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -573,6 +573,76 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, 
     assert b["replayed_steps"] == 5 and a["replayed_steps"] == 0
     for key in ("fetched_bytes_per_step", "decode_request_steps", "steps", "gap_rows", "max_step_bytes_over_cap"):
         assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("window, attended", [(16, 0), (0, 2), (16, 2)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_host_pool_fill_reads_the_prompts_exact_attention(device, window, attended):
+    """No vLLM: a host-pool runtime (oasiskv, K = 4) fills two requests, one prefilled in one step (100 tokens), one
+    in two chunks (90 tokens) whose last has 10 rows, fewer than the window. With ``fill_window`` each layer's working set is the
+    top-K blocks by the window's attention mass over the prompt's keys in vLLM's paged cache (the last chunk's own
+    rows when it is shorter); with ``attended_blocks`` the record starts from the last row's heaviest blocks (the
+    embedded engine's prefill seed), and those blocks are in the working set the fill leaves."""
+    from tests.test_fill_window import _mass_loop
+    from oasiskv_runtime.vllm.host_pool import HostPoolRuntime
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    torch.manual_seed(1)
+    layers, hq, hkv, d, nb, K = 2, 4, 2, 32, 32, 4
+    scale = d ** -0.5
+    opts = VllmOptions(mode="oasiskv", top_k_blocks=K, fetch_ratio=0.5, cuda_graphs="off", fill_window=window,
+                       attended_blocks=attended)
+    rt = HostPoolRuntime(opts, layers, hkv, d, nb, torch.float32, torch.device(device), 3, scale, 12 * BS)
+    caches = [(torch.randn(nb, BS, hkv, d, device=device), torch.randn(nb, BS, hkv, d, device=device))
+              for _ in range(layers)]
+    tables = (torch.randperm(nb - 1)[:2 * 8] + 1).view(2, 8).int().to(device)
+    prompts = {"a": 100, "b": 90}
+    seen = {}  # per request and layer: its prompt's keys (what the cache holds) and its last chunk's queries
+
+    def step(reqs, query_lens, seq_lens, events):
+        table = tables[reqs]
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+        pos = torch.cat([torch.arange(s - m, s) for m, s in zip(query_lens, seq_lens)]).to(device)
+        req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens)).to(device)
+        slots = table[req, pos // BS].long() * BS + pos % BS
+        common = {"query_start_loc": qsl.to(device), "seq_lens": torch.tensor(seq_lens, dtype=torch.int32,
+                                                                             device=device),
+                  "block_table": table, "slot_mapping": slots, "num_tokens": len(slots), "max_seq_len": max(seq_lens)}
+        plan = plan_step(common["query_start_loc"], qsl, common["seq_lens"], torch.tensor(seq_lens), table, 0,
+                         max(seq_lens), BS)
+        rt.begin_step(plan, events, common)
+        for layer in range(layers):
+            q, k, v = (torch.randn(len(slots), h, d, device=device) for h in (hq, hkv, hkv))
+            caches[layer][0].view(-1, hkv, d)[slots] = k  # what vLLM writes before the layer runs
+            caches[layer][1].view(-1, hkv, d)[slots] = v
+            rt.write(layer, k, v, caches[layer][0])
+            rt.after_attention(layer, q, caches[layer][0], caches[layer][1], scale)
+            for i, r in enumerate(events.fill):
+                end, n = int(qsl[i + 1]), seq_lens[i]
+                keys = caches[layer][0][table[i, :-(-n // BS)].long()].flatten(0, 1)[:n]
+                seen[r, layer] = (keys.cpu(), q[end - query_lens[i]:end].cpu())
+
+    first = {r: int(tables[i, 0]) for i, r in enumerate(prompts)}
+    # step 1: "a" whole (fills), "b" its first 80 tokens; step 2: "b" its last 10 (fills)
+    step([0, 1], [100, 80], [100, 80], StepEvents(start=[(r, first[r]) for r in prompts], fill=["a"]))
+    step([1], [10], [90], StepEvents(fill=["b"]))
+    for r, n in prompts.items():
+        row = rt.head_map.rows[r]
+        for layer in range(layers):
+            keys, q = seen[r, layer]
+            for h in range(hkv):
+                held = {int(x) for x in rt.head_map.slot_map[row, layer, h] if x >= 0}
+                last = _mass_loop(q[-1:], keys, scale, BS)[h]
+                if attended:
+                    rec = rt.head_map.attended[row, layer, h].cpu()
+                    assert rec.tolist() == last.topk(attended).indices.tolist(), (r, layer, h)
+                    assert set(rec.tolist()) <= held
+                if window:
+                    want = _mass_loop(q[-min(window, len(q)):], keys, scale, BS)[h]
+                    if attended:  # the record's blocks are kept, the rest by the window's mass
+                        want[rt.head_map.attended[row, layer, h].cpu()] = float("inf")
+                    assert held == set(want.topk(K).indices.tolist()), (r, layer, h)
+    assert rt.run_stats()["fills"] == 2
 
 
 def test_options_and_version_errors():
@@ -1092,12 +1162,12 @@ _HOST_STEPS = [
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
-@pytest.mark.parametrize("mode, top_k, graphs, attended", [
-    ("oasiskv", 16, False, 0), ("proxy-prefetch", 16, False, 0), ("oasiskv", 2, False, 0),
-    ("proxy-prefetch", 2, False, 0), ("oasiskv", 2, True, 0), ("proxy-prefetch", 16, True, 0),
-    ("oasiskv", 3, False, 1), ("oasiskv", 16, True, 4)])
+@pytest.mark.parametrize("mode, top_k, graphs, attended, fill", [
+    ("oasiskv", 16, False, 0, 0), ("proxy-prefetch", 16, False, 0, 0), ("oasiskv", 2, False, 0, 0),
+    ("proxy-prefetch", 2, False, 0, 0), ("oasiskv", 2, True, 0, 0), ("proxy-prefetch", 16, True, 0, 0),
+    ("oasiskv", 3, False, 1, 8), ("oasiskv", 16, True, 4, 0), ("proxy-prefetch", 2, True, 0, 8)])
 def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k, graphs,
-                                                                 attended):
+                                                                 attended, fill):
     """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
     given by hand. Every prefill row equals causal attention (vLLM's kernel); a decode row attends exactly what its
     working set holds: with top-K covering the context, that is causal attention (exact); with top-K 2, the blocks
@@ -1109,13 +1179,14 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
     "replay": its host part by ``replay_step`` (what the connector's ``start_load_kv`` runs), then the forward's
     capture path (what a capture records; a replay runs those ops again on new values) on vLLM's padded batch (a
     padding request appended). Same references, same checks (no recall: it needs the host). ``attended``: with
-    attention feedback (``attended_blocks``) the same holds: it changes only what the predictions choose."""
+    attention feedback (``attended_blocks``) and a fill by the prompt's exact attention (``fill``: ``fill_window``,
+    its keys read from vLLM's cache layout) the same holds: they change only what the predictions choose."""
     from oasiskv_runtime.vllm import connector, host_pool
     from oasiskv_runtime.vllm.requests import StepEvents
 
     torch.manual_seed(0)
     step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=not graphs,
-                 cuda_graphs="full" if graphs else "off", attended_blocks=attended)
+                 cuda_graphs="full" if graphs else "off", attended_blocks=attended, fill_window=fill)
     step.builder.full_graphs = graphs  # the builder's static plans (CUDA only in an engine)
     replays = 0
     nb = 40

@@ -389,7 +389,7 @@ class OasisKVImplMixin:
                 rt.decode(li, query, key, value, k_cache, v_cache, self.scale, output)
                 self._count(plan.batch, plan.real_rows)
         with phase("after_attention", mixed):
-            rt.after_attention(li, query, k_cache, v_cache)
+            rt.after_attention(li, query, k_cache, v_cache, self.scale)
         return output
 
     def _sparse_decode(self, b: DecodeBatch, query, key, value, k_cache, v_cache, predictor: Predictor,

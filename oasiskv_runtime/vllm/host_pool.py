@@ -41,6 +41,7 @@ from oasiskv_runtime.core.batch import SummaryWrites
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor
+from oasiskv_runtime.core.prefill_feedback import end_of_prefill, fill_scores
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.common import host_list_to
@@ -83,6 +84,9 @@ class _Step:
     its device part is what the capture records."""
     decode: HostPoolBatch | None = None
     fill: FillBatch | None = None
+    fill_spans: list | None = None
+    """Per fill request ``(end, num_query, n)``: its last chunk's query rows end and count, its prompt's tokens
+    (host ints, read once per step that fills with ``attended_blocks`` or ``fill_window``)."""
     fallback: bool = False
     """Some decode-shaped rows may lack a working set: also attend vLLM's cache for them (chosen per row)."""
     req_rows: torch.Tensor | None = None
@@ -350,6 +354,10 @@ class HostPoolRuntime:
                                  common["max_seq_len"], self.step_no, fills, self.host_table(rows))
             self.bound[rows] = st.fill.batch.next_candidates
             self.counts["fills"] += len(fills)
+            if self.head_map.attended is not None or self.opts.fill_window:
+                qsl, bi = common["query_start_loc"].long(), st.fill.index
+                st.fill_spans = torch.stack([qsl[bi + 1], qsl[bi + 1] - qsl[bi],
+                                             common["seq_lens"].long()[bi]], dim=1).tolist()  # one host sync
         if st.fallback:
             self.counts["fallback_steps"] += 1
         return st
@@ -422,7 +430,8 @@ class HostPoolRuntime:
         return sparse_decode_attention(qs, k_cache, v_cache, ids.int(), b.local_block.int(), b.local_len.int(), scale,
                                        key[b.draft_rows], value[b.draft_rows], backend=self.opts.backend)
 
-    def after_attention(self, layer: int, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def after_attention(self, layer: int, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        scale: float) -> None:
         """After the layer's attention: the next step's prefetch, the fills, and at the last layer the step's end."""
         st = self.cur
         if not st.real:
@@ -434,11 +443,27 @@ class HostPoolRuntime:
             self.pipeline.prefetch(layer, core, query[rows], self.cap)
         f = st.fill
         if f is not None:
-            self.pipeline.fill(layer, f.batch, query[f.batch.q_rows])
+            scores = self._end_of_prefill(layer, query, k_cache, scale) if st.fill_spans is not None else None
+            self.pipeline.fill(layer, f.batch, query[f.batch.q_rows], scores)
             self.ws.k[layer].index_copy_(0, f.tail_dst, k_cache.index_select(0, f.tail_src).to(self.ws.k[layer].dtype))
             self.ws.v[layer].index_copy_(0, f.tail_dst, v_cache.index_select(0, f.tail_src).to(self.ws.v[layer].dtype))
         if layer == self.num_layers - 1:
             self._end_step()
+
+    def _end_of_prefill(self, layer: int, query: torch.Tensor, k_cache: torch.Tensor,
+                        scale: float) -> torch.Tensor | None:
+        """The fill's requests at the end of their prefill (``core/prefill_feedback.py``): each one's prompt keys
+        gathered from vLLM's paged cache seed its ``attended_blocks`` record; returns the fill's ``fill_window``
+        scores (None without it)."""
+        f, bs = self.cur.fill, self.block_size
+        masses = []
+        for i, (end, num_query, n) in enumerate(self.cur.fill_spans):
+            keys = k_cache.index_select(0, f.table[i, :-(-n // bs)]).flatten(0, 1)[:n]
+            m = end_of_prefill(self.head_map, layer, f.batch.state_rows[i:i + 1], query, end, num_query, keys,
+                               scale, bs, self.opts.fill_window)
+            if m is not None:
+                masses.append(m.to(self.device))
+        return fill_scores(masses, f.batch.max_next_candidates) if masses else None
 
     def _end_step(self) -> None:
         st = self.cur

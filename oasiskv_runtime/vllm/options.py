@@ -48,6 +48,10 @@ class VllmOptions:
     """Host-pool modes: each decode step records per KV head the working-set blocks its attention weighed most, and
     the next prediction keeps this many of them (the embedded engine's option; counted in ``top_k_blocks``).
     Sparse-resident on vLLM keeps no per-request state between steps and refuses it."""
+    fill_window: int = _default("fill_window")
+    """Host-pool modes: when a prefill completes, fill the working set with the top-K blocks by the exact attention
+    mass of the prompt's last N rows (read from vLLM's paged cache; one host sync on such a step), as the embedded
+    engine's option does."""
     selection_score: str = _default("selection_score")
     """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` and ``gauss`` are
     embedded-engine study settings)."""
@@ -109,6 +113,9 @@ class VllmOptions:
         if self.attended_blocks and self.parsed_mode is Mode.SPARSE_RESIDENT:
             raise ValueError(f"attended_blocks is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
                              f"{self.mode}: sparse-resident there keeps no per-request record between steps")
+        if self.fill_window and self.parsed_mode is Mode.SPARSE_RESIDENT:
+            raise ValueError(f"fill_window is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
+                             f"{self.mode}: sparse-resident fills no working set")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
@@ -117,7 +124,7 @@ class VllmOptions:
         """The embedded engine's algorithm section with these options: its checks and its ``fetch_cap``."""
         return SparseConfig(top_k_blocks=self.top_k_blocks, fetch_ratio=self.fetch_ratio, sink_blocks=self.sink_blocks,
                             recent_blocks=self.recent_blocks, selection_score=self.selection_score,
-                            attended_blocks=self.attended_blocks)
+                            attended_blocks=self.attended_blocks, fill_window=self.fill_window)
 
     @property
     def parsed_mode(self) -> Mode:

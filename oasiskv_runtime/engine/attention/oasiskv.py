@@ -24,12 +24,12 @@ from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.link_cap import LinkCap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor, resident_block_ids
+from oasiskv_runtime.core.prefill_feedback import end_of_prefill, fill_scores
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.attention.prefill import ContextAttention
 from oasiskv_runtime.engine.attention.sparse_step import SparseStep
-from oasiskv_runtime.ops.attention_mass import prompt_block_mass, working_set_mass
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
 from oasiskv_runtime.transfer.host_pool import HostKVPool
@@ -213,15 +213,15 @@ class OasisKVAttention:
         dense_layer = layer < self.sparse.dense_layers
         device_path = self._use_device_prefill(q)
         fill_mass = {}  # fill_window: per request whose prefill completes, its last rows' mass on each block
+        feedback = self.head_map.attended is not None or self.sparse.fill_window
         for i, s in enumerate(step.prefill + (step.decode_slices if dense_layer else [])):
             ks = self.context.attend(layer, s, q, k, v, out, device_path)
-            if self.head_map.attended is not None and s.completes and not dense_layer:
-                self._record_dense_attention(layer, s, q, ks)
             # (the fill's requests are step.prefill's that complete: a 1-token last chunk included)
-            if self.sparse.fill_window and step.fill is not None and s.completes and i < len(step.prefill):
-                w = min(self.sparse.fill_window, s.num_query)  # a last chunk shorter than the window: its rows
-                end = s.query_start + s.num_query
-                fill_mass[s.seq_id] = prompt_block_mass(q[end - w:end], ks, self.scale, self.dev_cache.block_size)
+            if feedback and s.completes:
+                fills = step.fill is not None and i < len(step.prefill)
+                scores = self._end_of_prefill(layer, s, q, ks, not dense_layer, fills)
+                if scores is not None:
+                    fill_mass[s.seq_id] = scores
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
         if b is not None and self.mode.prefetches:
@@ -229,36 +229,23 @@ class OasisKVAttention:
         if step.fill is not None:
             self.io.wait(self.io.write_event)  # the chunk's rows must be in the pool before the first fill reads them
             self.pipeline.fill(layer, step.fill, q[step.fill.q_rows],
-                               self._fill_scores(step.fill, fill_mass) if fill_mass else None)
+                               fill_scores([fill_mass[i] for i in step.fill.seq_ids],
+                                           step.fill.max_next_candidates) if fill_mass else None)
             self.context.copy_tails(layer, step.fill_tails, device_path)
         return out
 
-    @staticmethod
-    def _fill_scores(batch, fill_mass: dict) -> torch.Tensor:
-        """The fill batch's scores ``[B, Hkv, J]`` from each request's prompt mass (``fill_window``), ``-inf`` past
-        its candidates (the full blocks before its first decode step's active one)."""
-        masses = [fill_mass[i] for i in batch.seq_ids]
-        scores = masses[0].new_full((len(masses), masses[0].shape[0], batch.max_next_candidates), float("-inf"))
-        for b, m in enumerate(masses):
-            scores[b, :, :m.shape[1]] = m
-        return scores
-
-    def _record_dense_attention(self, layer: int, s: SeqSlice, q: torch.Tensor, ks: torch.Tensor) -> None:
-        """``attended_blocks`` after a step that attended ``s``'s whole context (the end of its prefill): its last
-        row's softmax attention mass on each full block (the next step's candidates), summed over each KV head's
-        group, so the first sparse step keeps the blocks the dense attention weighed most."""
-        bs = self.dev_cache.block_size
-        j = s.context_len // bs                      # the next step's candidates: the full blocks before its active one
-        if not j:
-            return
-        hkv = ks.shape[1]
-        # the context's full blocks as a cache of j blocks, each KV head "holding" all of them
-        blocks = ks[:j * bs].reshape(j, bs, hkv, ks.shape[2])
-        logical = torch.arange(j, device=ks.device).view(1, 1, j).expand(1, hkv, j)
-        row = q[s.query_start + s.num_query - 1 : s.query_start + s.num_query]                  # [1, Hq, D]
-        mass = working_set_mass(row, blocks, logical, self.scale)                              # [1, Hkv, j]
-        rows = torch.tensor([self.head_map.row(s.seq_id)], device=self.device)
-        self.head_map.record_attended(layer, rows, logical.to(self.device), mass.to(self.device))
+    def _end_of_prefill(self, layer: int, s: SeqSlice, q: torch.Tensor, ks: torch.Tensor, seed: bool,
+                        fills: bool) -> torch.Tensor | None:
+        """A slice that attended its request's whole context (the end of its prefill): ``attended_blocks``' seed
+        (``seed``: a sparse layer) and, for a request this step fills (``fills``), its ``fill_window`` scores
+        (``core/prefill_feedback.py``)."""
+        seed = seed and self.head_map.attended is not None
+        if not (seed or (fills and self.sparse.fill_window)):
+            return None
+        row = torch.tensor([self.head_map.row(s.seq_id)], device=self.device)
+        return end_of_prefill(self.head_map, layer, row, q, s.query_start + s.num_query, s.num_query,
+                              ks[:s.context_len], self.scale, self.dev_cache.block_size,
+                              self.sparse.fill_window if fills else 0, seed=seed)
 
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor) -> None:
