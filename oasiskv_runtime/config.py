@@ -275,6 +275,10 @@ class SparseConfig:
         "sink_blocks; resident already, so they cost no fetch). A study of issue #34: docs/accuracy.md.",
         "an integer >= 0 (sink_blocks + recent_blocks + attended_blocks < top_k_blocks)",
         lambda v: _int(v) and v >= 0)
+    attended_share: float = _opt(
+        0.0, "attended_blocks as a share of top_k_blocks (floor(share * top_k_blocks), at least 1), so one setting "
+        "scales with the budget (the best measured at 1/8 and 1/4 of the context: 0.25); set one of the two.",
+        "a number in [0, 1)", lambda v: _num(v) and 0.0 <= v < 1.0)
     selection_score: str = _opt(
         "quest", "What ranks the candidate blocks: quest (an upper bound of q.k from each block's key min/max), "
         "minmax_mass (an estimate of each block's attention mass from the same min/max, every mode; keeps more mass "
@@ -324,10 +328,14 @@ class SparseConfig:
                              "demand_fetch fetches)")
         if self.sink_blocks >= self.top_k_blocks:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
-        if self.sink_blocks + self.recent_blocks + self.attended_blocks >= self.top_k_blocks:
+        if self.attended_blocks and self.attended_share:
+            raise ValueError(f"set attended_blocks ({self.attended_blocks}) or attended_share ({self.attended_share}), "
+                             "not both: the share is the count as a share of top_k_blocks")
+        if self.sink_blocks + self.recent_blocks + self.attended >= self.top_k_blocks:
             raise ValueError(f"sink_blocks + recent_blocks + attended_blocks must be < top_k_blocks (a prediction must "
                              f"choose at least one block), got {self.sink_blocks} + {self.recent_blocks} + "
-                             f"{self.attended_blocks} with top_k_blocks {self.top_k_blocks}")
+                             f"{self.attended} with top_k_blocks {self.top_k_blocks}"
+                             + (f" (attended_share {self.attended_share})" if self.attended_share else ""))
 
     def check_mode(self, mode: Mode) -> None:
         """The options that apply to some modes only (checked by ``EngineConfig`` once ``draft`` is resolved, and on
@@ -355,6 +363,14 @@ class SparseConfig:
         if any(part.split(":")[0] != "ngram" for part in self.draft.split("+")):
             raise ValueError(f"accept_drafts runs with n-gram drafts (draft=ngram[:N]), not {self.draft!r}: a head's "
                              "next proposal would need the accepted draft's hidden states")
+
+    @property
+    def attended(self) -> int:
+        """Blocks each prediction keeps by attention feedback: ``attended_blocks``, or ``attended_share`` of
+        ``top_k_blocks`` (0: off)."""
+        if self.attended_share:
+            return max(1, int(self.attended_share * self.top_k_blocks))
+        return self.attended_blocks
 
     @property
     def fetch_cap(self) -> int:

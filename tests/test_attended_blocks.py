@@ -152,6 +152,31 @@ def test_attended_blocks_count_in_the_budget():
         SparseConfig(attended_blocks=-1)
 
 
+def test_attended_share_is_the_count_as_a_share_of_the_budget(tiny_qwen3):
+    """``attended_share`` scales with ``top_k_blocks`` (floor, at least 1), counts in the budget like the count,
+    excludes it, and sizes the engine's record; the record cannot change size on a running engine."""
+    from oasiskv_runtime.vllm.options import VllmOptions
+
+    assert [SparseConfig(top_k_blocks=k, attended_share=0.25).attended for k in (3, 8, 16, 128)] == [1, 2, 4, 32]
+    assert SparseConfig(top_k_blocks=16, attended_blocks=3).attended == 3 and SparseConfig().attended == 0
+    with pytest.raises(ValueError, match="not both"):
+        SparseConfig(top_k_blocks=16, attended_blocks=2, attended_share=0.25)
+    with pytest.raises(ValueError, match="attended_share 0.5"):
+        SparseConfig(top_k_blocks=4, sink_blocks=1, recent_blocks=1, attended_share=0.5)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="attended_share"):
+            SparseConfig(attended_share=bad)
+    assert VllmOptions(mode="oasiskv", top_k_blocks=16, attended_share=0.25).sparse.attended == 4
+    with pytest.raises(ValueError, match="attended_share is for the host-pool modes"):
+        VllmOptions(mode="sparse-resident", attended_share=0.25)
+    llm = LLM(tiny_qwen3, mode="oasiskv", top_k_blocks=8, block_size=4, draft="ngram", attended_share=0.25)
+    attn = llm.engine.backend
+    assert attn.head_map.attended.shape[-1] == 2
+    attn.configure(top_k_blocks=8)  # the same record: allowed
+    with pytest.raises(ValueError, match="fixed when the engine starts"):
+        attn.configure(top_k_blocks=16)
+
+
 PROMPTS = STUDY_PROMPTS
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

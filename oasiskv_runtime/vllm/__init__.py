@@ -86,7 +86,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                 block_size: int = 16, sink_blocks: int = 0, backend: str = "auto", measure_recall: bool = False,
                 platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest",
                 cuda_graphs: str = "auto", admission: str = "auto", host_pool_gb: float | str = "auto",
-                device_tier_gb: float = 0.0, attended_blocks: int = 0, fill_window: int = 0) -> dict[str, Any]:
+                device_tier_gb: float = 0.0, attended_blocks: int = 0, attended_share: float = 0.0,
+                fill_window: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -107,7 +108,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     memory now (:data:`HOST_POOL_FRACTION`; where that is unknown, ``max_num_seqs`` rows); 0: ``max_num_seqs`` rows.
     ``device_tier_gb`` (host-pool modes): GiB of device memory beside vLLM's cache for more rows than the host pool
     holds (``VllmOptions.device_tier_gb``); 0: none. ``attended_blocks`` (host-pool modes): the blocks each step's
-    attention weighed most that the next prediction keeps (``VllmOptions.attended_blocks``); 0: none. ``fill_window``
+    attention weighed most that the next prediction keeps (``VllmOptions.attended_blocks``; ``attended_share``: the
+    same as a share of ``top_k_blocks``); 0: none. ``fill_window``
     (host-pool modes): the prompt's last rows whose exact attention fills a working set (``VllmOptions.fill_window``);
     0: a prediction from the last prompt token's query.
     ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
@@ -125,7 +127,7 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                        sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
                        recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs,
                        admission=admission, host_pool_gb=host_pool_gb, device_tier_gb=device_tier_gb,
-                       attended_blocks=attended_blocks, fill_window=fill_window)
+                       attended_blocks=attended_blocks, attended_share=attended_share, fill_window=fill_window)
     parsed = opts.parsed_mode
     out: dict[str, Any] = {}
     spec = speculative_config(draft)

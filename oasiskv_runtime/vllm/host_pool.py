@@ -152,7 +152,7 @@ class HostPoolRuntime:
         device tier."""
         self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
         self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device,
-                                attended_blocks=opts.attended_blocks)
+                                attended_blocks=opts.sparse.attended)
         self.head_map.free_rows.remove(self.scratch_row)
         self.predictor = Predictor(summaries, num_kv_heads, k, opts.sink_blocks, backend, opts.selection_score,
                                    scale=scale, recent_blocks=opts.recent_blocks)

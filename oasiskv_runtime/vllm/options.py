@@ -48,6 +48,8 @@ class VllmOptions:
     """Host-pool modes: each decode step records per KV head the working-set blocks its attention weighed most, and
     the next prediction keeps this many of them (the embedded engine's option; counted in ``top_k_blocks``).
     Sparse-resident on vLLM keeps no per-request state between steps and refuses it."""
+    attended_share: float = _default("attended_share")
+    """``attended_blocks`` as a share of ``top_k_blocks`` (the embedded engine's option)."""
     fill_window: int = _default("fill_window")
     """Host-pool modes: when a prefill completes, fill the working set with the top-K blocks by the exact attention
     mass of the prompt's last N rows (read from vLLM's paged cache; one host sync on such a step), as the embedded
@@ -110,8 +112,9 @@ class VllmOptions:
         if self.device_tier_gb > 0 and self.host_pool_gb <= 0:
             raise ValueError("device_tier_gb adds rows once the host pool's are all held: set host_pool_gb too (0 "
                              "gives the host pool max_num_seqs rows, and the tier none)")
-        if self.attended_blocks and self.parsed_mode is Mode.SPARSE_RESIDENT:
-            raise ValueError(f"attended_blocks is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
+        if (self.attended_blocks or self.attended_share) and self.parsed_mode is Mode.SPARSE_RESIDENT:
+            name = "attended_blocks" if self.attended_blocks else "attended_share"
+            raise ValueError(f"{name} is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
                              f"{self.mode}: sparse-resident there keeps no per-request record between steps")
         if self.fill_window and self.parsed_mode is Mode.SPARSE_RESIDENT:
             raise ValueError(f"fill_window is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
@@ -124,7 +127,8 @@ class VllmOptions:
         """The embedded engine's algorithm section with these options: its checks and its ``fetch_cap``."""
         return SparseConfig(top_k_blocks=self.top_k_blocks, fetch_ratio=self.fetch_ratio, sink_blocks=self.sink_blocks,
                             recent_blocks=self.recent_blocks, selection_score=self.selection_score,
-                            attended_blocks=self.attended_blocks, fill_window=self.fill_window)
+                            attended_blocks=self.attended_blocks, attended_share=self.attended_share,
+                            fill_window=self.fill_window)
 
     @property
     def parsed_mode(self) -> Mode:

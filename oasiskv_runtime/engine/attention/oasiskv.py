@@ -39,6 +39,7 @@ from oasiskv_runtime.transfer.prefill_io import PrefillPoolIO
 
 FIXED_AT_START = {"accept_drafts": "it sizes each working set's local blocks",
                   "attended_blocks": "it sizes the record of each head's most attended blocks",
+                  "attended_share": "it sizes the record of each head's most attended blocks",
                   "fill_query": "the step builder reads it once"}
 """Algorithm options :meth:`OasisKVAttention.configure` refuses to change, and why."""
 
@@ -57,7 +58,7 @@ class OasisKVAttention:
         k_slots = self.sparse.top_k_blocks
         self.stats = SparseStats(num_layers, 2 * device_cache.block_size * head_dim * device_cache.k[0].element_size())
         self.head_map = HeadMap(max_rows, num_layers, num_kv_heads, k_slots, self.device, self.mode.uses_host_pool,
-                                self.sparse.attended_blocks)
+                                self.sparse.attended)
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
                                    self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
                                    scale, self.sparse.recent_blocks)
@@ -104,6 +105,9 @@ class OasisKVAttention:
             new = dataclasses.replace(getattr(self, section), **changes)  # (demand_fetch_cap needs demand_fetch)
             if section == "sparse":
                 new.check_mode(self.mode)
+                if new.attended != self.sparse.attended:  # (top_k_blocks with attended_share)
+                    raise ValueError(f"the blocks attention feedback keeps are fixed when the engine starts "
+                                     f"({FIXED_AT_START['attended_blocks']}): {self.sparse.attended} -> {new.attended}")
             setattr(self, section, new)
         self.predictor.sink_blocks, self.predictor.recent_blocks = self.sparse.sink_blocks, self.sparse.recent_blocks
         self.predictor.selection_score = self.sparse.selection_score
@@ -346,7 +350,7 @@ class OasisKVAttention:
         k = self.kernels
         sp = self.sparse
         return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
-                sp.attended_blocks, sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap,
+                sp.attended, sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap,
                 k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
 
     def graph_join(self) -> None:
