@@ -140,10 +140,35 @@ def test_fill_window_is_an_engine_option():
     assert Mode.OASISKV.prefetches and EngineConfig.options()["fill_window"].default == 0
 
 
+def test_prompt_windows_keep_the_prompts_last_rows_across_chunks():
+    """However a prompt is cut into chunks, the rows a completing chunk gets are the prompt's last ``window`` rows;
+    a chunk at position 0 starts afresh, and nothing is held once the prompt completes or the request is forgotten."""
+    from oasiskv_runtime.core.prefill_feedback import PromptWindows
+
+    torch.manual_seed(0)
+    prompt = torch.randn(40, 3, 4)
+    for cuts in ([40], [31, 9], [31, 8, 1], [5, 5, 5, 25], [39, 1], [2, 3, 35], [1] * 40):
+        win = PromptWindows(8)
+        start = 0
+        for c in cuts:
+            for layer in (0, 1):
+                got = win.rows(layer, "r", prompt[start:start + c], start, start + c == 40)
+                assert torch.equal(got, prompt[max(0, start + c - 8):start + c]), (cuts, start, layer)
+            start += c
+        assert win.held == {}, cuts
+    win = PromptWindows(8)
+    win.rows(0, "r", prompt[:6], 0, False)  # a preempted request prefilled again from position 0
+    assert torch.equal(win.rows(0, "r", prompt[:3], 0, True), prompt[:3])
+    win.rows(0, "s", prompt[:6], 0, False)
+    win.forget("s")
+    assert win.held == {}
+
+
 @pytest.mark.slow
 def test_fill_window_after_a_chunked_prefill_whose_last_chunk_is_one_token(tiny_qwen3, monkeypatch):
-    """A prompt of 63 tokens in chunks of 31 ends with a 1-token chunk: the fill still ranks the window's mass (the
-    chunk's one row), and at a covering budget the tokens are dense's."""
+    """A prompt of 63 tokens in chunks of 31 ends with a 1-token chunk: the fill ranks the mass of the prompt's last
+    8 rows (2 chunks' rows), the same scores as the prompt prefilled in one chunk; at a covering budget the tokens
+    are dense's."""
     scores_seen = []
     real_fill = LookaheadPipeline.fill
 
@@ -154,11 +179,18 @@ def test_fill_window_after_a_chunked_prefill_whose_last_chunk_is_one_token(tiny_
     monkeypatch.setattr(LookaheadPipeline, "fill", fill)
     prompt = [PROMPTS[0]]
     dense = [o.token_ids for o in LLM(tiny_qwen3, max_num_batched_tokens=31).generate(prompt, GREEDY)]
-    for k in (64, 3):
+    whole = []
+    for k, budget in ((3, 2048), (64, 31), (3, 31)):
         scores_seen.clear()
         llm = LLM(tiny_qwen3, mode="oasiskv", top_k_blocks=k, block_size=4, draft="ngram", fill_window=8,
-                  max_num_batched_tokens=31)
+                  max_num_batched_tokens=budget)
         out = [o.token_ids for o in llm.generate(prompt, GREEDY)]
         assert scores_seen and all(s is not None and s.shape[-1] == 63 // 4 for s in scores_seen)
-        if k == 64:
+        if budget == 2048:
+            whole = [s.clone() for s in scores_seen]
+        elif k == 64:
             assert out == dense
+        else:
+            assert len(scores_seen) == len(whole)
+            for got, want in zip(scores_seen, whole):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

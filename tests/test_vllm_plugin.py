@@ -579,9 +579,9 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_host_pool_fill_reads_the_prompts_exact_attention(device, window, attended):
     """No vLLM: a host-pool runtime (oasiskv, K = 4) fills two requests, one prefilled in one step (100 tokens), one
-    in two chunks (90 tokens) whose last has 10 rows, fewer than the window. With ``fill_window`` each layer's working set is the
-    top-K blocks by the window's attention mass over the prompt's keys in vLLM's paged cache (the last chunk's own
-    rows when it is shorter); with ``attended_blocks`` the record starts from the last row's heaviest blocks (the
+    in two chunks (90 tokens) whose last has 10 rows, fewer than the window. With ``fill_window`` each layer's
+    working set is the top-K blocks by the attention mass of the prompt's last 16 rows (6 of them from the chunk
+    before) over the prompt's keys in vLLM's paged cache; with ``attended_blocks`` the record starts from the last row's heaviest blocks (the
     embedded engine's prefill seed), and those blocks are in the working set the fill leaves."""
     from tests.test_fill_window import _mass_loop
     from oasiskv_runtime.vllm.host_pool import HostPoolRuntime
@@ -597,10 +597,11 @@ def test_host_pool_fill_reads_the_prompts_exact_attention(device, window, attend
               for _ in range(layers)]
     tables = (torch.randperm(nb - 1)[:2 * 8] + 1).view(2, 8).int().to(device)
     prompts = {"a": 100, "b": 90}
-    seen = {}  # per request and layer: its prompt's keys (what the cache holds) and its last chunk's queries
+    seen, queries = {}, {}  # per request and layer: its prompt's keys (what the cache holds) and its queries
 
     def step(reqs, query_lens, seq_lens, events):
         table = tables[reqs]
+        names = [list(prompts)[i] for i in reqs]
         qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
         pos = torch.cat([torch.arange(s - m, s) for m, s in zip(query_lens, seq_lens)]).to(device)
         req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens)).to(device)
@@ -617,10 +618,12 @@ def test_host_pool_fill_reads_the_prompts_exact_attention(device, window, attend
             caches[layer][1].view(-1, hkv, d)[slots] = v
             rt.write(layer, k, v, caches[layer][0])
             rt.after_attention(layer, q, caches[layer][0], caches[layer][1], scale)
-            for i, r in enumerate(events.fill):
-                end, n = int(qsl[i + 1]), seq_lens[i]
-                keys = caches[layer][0][table[i, :-(-n // BS)].long()].flatten(0, 1)[:n]
-                seen[r, layer] = (keys.cpu(), q[end - query_lens[i]:end].cpu())
+            for i, r in enumerate(names):
+                queries.setdefault((r, layer), []).append(q[int(qsl[i]):int(qsl[i + 1])].cpu())
+                if r in events.fill:
+                    n = seq_lens[i]
+                    keys = caches[layer][0][table[i, :-(-n // BS)].long()].flatten(0, 1)[:n]
+                    seen[r, layer] = (keys.cpu(), torch.cat(queries[r, layer]))
 
     first = {r: int(tables[i, 0]) for i, r in enumerate(prompts)}
     # step 1: "a" whole (fills), "b" its first 80 tokens; step 2: "b" its last 10 (fills)
@@ -638,7 +641,8 @@ def test_host_pool_fill_reads_the_prompts_exact_attention(device, window, attend
                     assert rec.tolist() == last.topk(attended).indices.tolist(), (r, layer, h)
                     assert set(rec.tolist()) <= held
                 if window:
-                    want = _mass_loop(q[-min(window, len(q)):], keys, scale, BS)[h]
+                    assert len(q) == n
+                    want = _mass_loop(q[-window:], keys, scale, BS)[h]
                     if attended:  # the record's blocks are kept, the rest by the window's mass
                         want[rt.head_map.attended[row, layer, h].cpu()] = float("inf")
                     assert held == set(want.topk(K).indices.tolist()), (r, layer, h)

@@ -333,8 +333,6 @@ class FillBatch:
     first decode step writes its row 0 and masks the rest)."""
     tail_dst: torch.Tensor
     """[F] the local slot the first decode step's active block lives in."""
-    index: torch.Tensor
-    """[F] each request's position in the step's batch."""
     table: torch.Tensor
     """[F, NB] each request's row of vLLM's block table (where its prompt's keys are)."""
 
@@ -364,4 +362,4 @@ def fill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
         primary_table=host_table.long(), slot_blocks=selection_blocks(rows, k_slots),
         max_candidates=max(0, max_seq_len // bs), max_next_candidates=max(0, max_seq_len // bs), step=step)
     return FillBatch(batch=batch, tail_src=req_table.gather(1, col[:, None]).view(-1), tail_dst=batch.local_block,
-                     index=bi, table=req_table)
+                     table=req_table)

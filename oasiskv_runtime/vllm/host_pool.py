@@ -41,7 +41,7 @@ from oasiskv_runtime.core.batch import SummaryWrites
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor
-from oasiskv_runtime.core.prefill_feedback import end_of_prefill, fill_scores
+from oasiskv_runtime.core.prefill_feedback import PromptWindows, end_of_prefill, fill_scores
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.common import host_list_to
@@ -84,9 +84,9 @@ class _Step:
     its device part is what the capture records."""
     decode: HostPoolBatch | None = None
     fill: FillBatch | None = None
-    fill_spans: list | None = None
-    """Per fill request ``(end, num_query, n)``: its last chunk's query rows end and count, its prompt's tokens
-    (host ints, read once per step that fills with ``attended_blocks`` or ``fill_window``)."""
+    prefill_spans: dict | None = None
+    """Per request in prefill this step (``attended_blocks`` / ``fill_window``): ``(a, b, n)``, its query rows
+    ``a .. b - 1`` and its prompt's tokens once they are written (host ints, one host sync per such step)."""
     fallback: bool = False
     """Some decode-shaped rows may lack a working set: also attend vLLM's cache for them (chosen per row)."""
     req_rows: torch.Tensor | None = None
@@ -171,6 +171,10 @@ class HostPoolRuntime:
         self.bound = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         """Per state row: the candidate count its last prediction ranked (see ``HostPoolBatch.gap_block``)."""
         self.first: dict[str, int] = {}
+        self.prefilling: set[str] = set()
+        """Requests started and not yet filled (their prefill runs)."""
+        self.windows = PromptWindows(opts.fill_window) if opts.fill_window else None
+        """``fill_window``: the last prompt rows of requests prefilled in chunks."""
         """Running request id -> its first physical block."""
         self.step_no = 0
         self.cur: _Step | None = None
@@ -210,6 +214,9 @@ class HostPoolRuntime:
     # ---- request lifecycle ----------------------------------------------------------------------------------
     def _free(self, req_id: str) -> None:
         first = self.first.pop(req_id, None)
+        self.prefilling.discard(req_id)
+        if self.windows is not None:
+            self.windows.forget(req_id)
         row = self.pipeline.release(req_id)  # its copies counted, its map row freed
         if row is not None:
             self.ready[row] = False
@@ -233,6 +240,7 @@ class HostPoolRuntime:
                 self._free(req_id)
             row = self.head_map.row(req_id)
             self.first[req_id] = first
+            self.prefilling.add(req_id)
             self.row_of_block[first] = row
             self.ready[row] = False
 
@@ -354,13 +362,21 @@ class HostPoolRuntime:
                                  common["max_seq_len"], self.step_no, fills, self.host_table(rows))
             self.bound[rows] = st.fill.batch.next_candidates
             self.counts["fills"] += len(fills)
-            if self.head_map.attended is not None or self.opts.fill_window:
-                qsl, bi = common["query_start_loc"].long(), st.fill.index
-                st.fill_spans = torch.stack([qsl[bi + 1], qsl[bi + 1] - qsl[bi],
-                                             common["seq_lens"].long()[bi]], dim=1).tolist()  # one host sync
+        if not captured and ((fills and self.head_map.attended is not None) or (self.windows is not None and self.prefilling)):
+            st.prefill_spans = self._prefill_spans(common)
+        self.prefilling.difference_update(fills)
         if st.fallback:
             self.counts["fallback_steps"] += 1
         return st
+
+    def _prefill_spans(self, common: dict) -> dict:
+        """Which of the step's requests are in prefill, and their rows (one host sync): by first block, as the
+        device side finds them."""
+        qsl = common["query_start_loc"].long()
+        r = common["seq_lens"].numel()
+        cols = torch.stack([common["block_table"][:, 0].long(), qsl[:r], qsl[1:r + 1], common["seq_lens"].long()])
+        by_block = {self.first[q]: q for q in self.prefilling}
+        return {by_block[f]: (a, b, n) for f, a, b, n in zip(*cols.tolist()) if f in by_block}
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
         """Before the layer's attention: the step's K/V rows into the pool (their requests' rows at their
@@ -442,8 +458,13 @@ class HostPoolRuntime:
             rows = core.pred_rows() if self.mode is Mode.OASISKV else core.q_rows
             self.pipeline.prefetch(layer, core, query[rows], self.cap)
         f = st.fill
+        if self.windows is not None and st.prefill_spans:  # the last rows of chunks that do not complete a prompt
+            done = set(f.batch.seq_ids) if f is not None else set()
+            for req, (a, b, n) in st.prefill_spans.items():
+                if req not in done:
+                    self.windows.rows(layer, req, query[a:b], n - (b - a), False)
         if f is not None:
-            scores = self._end_of_prefill(layer, query, k_cache, scale) if st.fill_spans is not None else None
+            scores = self._end_of_prefill(layer, query, k_cache, scale) if st.prefill_spans is not None else None
             self.pipeline.fill(layer, f.batch, query[f.batch.q_rows], scores)
             self.ws.k[layer].index_copy_(0, f.tail_dst, k_cache.index_select(0, f.tail_src).to(self.ws.k[layer].dtype))
             self.ws.v[layer].index_copy_(0, f.tail_dst, v_cache.index_select(0, f.tail_src).to(self.ws.v[layer].dtype))
@@ -457,10 +478,13 @@ class HostPoolRuntime:
         scores (None without it)."""
         f, bs = self.cur.fill, self.block_size
         masses = []
-        for i, (end, num_query, n) in enumerate(self.cur.fill_spans):
+        for i, req in enumerate(f.batch.seq_ids):
+            a, b, n = self.cur.prefill_spans[req]
+            last = query[b - 1:b] if self.windows is None else self.windows.rows(layer, req, query[a:b], n - (b - a),
+                                                                                  True)
             keys = k_cache.index_select(0, f.table[i, :-(-n // bs)]).flatten(0, 1)[:n]
-            m = end_of_prefill(self.head_map, layer, f.batch.state_rows[i:i + 1], query, end, num_query, keys,
-                               scale, bs, self.opts.fill_window)
+            m = end_of_prefill(self.head_map, layer, f.batch.state_rows[i:i + 1], last, keys, scale, bs,
+                               self.opts.fill_window)
             if m is not None:
                 masses.append(m.to(self.device))
         return fill_scores(masses, f.batch.max_next_candidates) if masses else None

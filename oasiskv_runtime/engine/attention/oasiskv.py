@@ -24,7 +24,7 @@ from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.link_cap import LinkCap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor, resident_block_ids
-from oasiskv_runtime.core.prefill_feedback import end_of_prefill, fill_scores
+from oasiskv_runtime.core.prefill_feedback import PromptWindows, end_of_prefill, fill_scores
 from oasiskv_runtime.core.stats import SparseStats
 from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
@@ -59,6 +59,8 @@ class OasisKVAttention:
         self.stats = SparseStats(num_layers, 2 * device_cache.block_size * head_dim * device_cache.k[0].element_size())
         self.head_map = HeadMap(max_rows, num_layers, num_kv_heads, k_slots, self.device, self.mode.uses_host_pool,
                                 self.sparse.attended)
+        self.windows = PromptWindows(self.sparse.fill_window) if self.sparse.fill_window else None
+        """``fill_window``: the last prompt rows of requests prefilled in chunks."""
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
                                    self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
                                    scale, self.sparse.recent_blocks)
@@ -114,9 +116,13 @@ class OasisKVAttention:
         if self.pipeline is not None:
             self.pipeline.kernels, self.pipeline.debug = self.kernels, self.debug
         self.step_cap = self.sparse.fetch_cap
+        if (self.windows.window if self.windows is not None else 0) != self.sparse.fill_window:
+            self.windows = PromptWindows(self.sparse.fill_window) if self.sparse.fill_window else None
 
     # ---- request lifecycle ------------------------------------------------------------------------------------
     def free_request(self, seq_id: int) -> None:
+        if self.windows is not None:
+            self.windows.forget(seq_id)
         if self.pipeline is not None:
             self.pipeline.release(seq_id)
         else:
@@ -217,13 +223,12 @@ class OasisKVAttention:
         dense_layer = layer < self.sparse.dense_layers
         device_path = self._use_device_prefill(q)
         fill_mass = {}  # fill_window: per request whose prefill completes, its last rows' mass on each block
-        feedback = self.head_map.attended is not None or self.sparse.fill_window
+        feedback = self.head_map.attended is not None or self.windows is not None
         for i, s in enumerate(step.prefill + (step.decode_slices if dense_layer else [])):
             ks = self.context.attend(layer, s, q, k, v, out, device_path)
             # (the fill's requests are step.prefill's that complete: a 1-token last chunk included)
-            if feedback and s.completes:
-                fills = step.fill is not None and i < len(step.prefill)
-                scores = self._end_of_prefill(layer, s, q, ks, not dense_layer, fills)
+            if feedback and i < len(step.prefill):
+                scores = self._end_of_prefill(layer, s, q, ks, not dense_layer, step.fill is not None)
                 if scores is not None:
                     fill_mass[s.seq_id] = scores
         if b is not None and not dense_layer:
@@ -240,16 +245,19 @@ class OasisKVAttention:
 
     def _end_of_prefill(self, layer: int, s: SeqSlice, q: torch.Tensor, ks: torch.Tensor, seed: bool,
                         fills: bool) -> torch.Tensor | None:
-        """A slice that attended its request's whole context (the end of its prefill): ``attended_blocks``' seed
-        (``seed``: a sparse layer) and, for a request this step fills (``fills``), its ``fill_window`` scores
-        (``core/prefill_feedback.py``)."""
+        """A prefill chunk: with ``fill_window`` its last rows are kept for the next chunk; if it completes the
+        prompt (its request's whole context attended), ``attended_blocks``' seed (``seed``: a sparse layer) and,
+        when the step fills (``fills``), its ``fill_window`` scores (``core/prefill_feedback.py``)."""
+        end = s.query_start + s.num_query
+        last = q[end - 1:end]
+        if self.windows is not None:
+            last = self.windows.rows(layer, s.seq_id, q[s.query_start:end], s.context_len - s.num_query, s.completes)
         seed = seed and self.head_map.attended is not None
-        if not (seed or (fills and self.sparse.fill_window)):
+        if not s.completes or not (seed or (fills and self.windows is not None)):
             return None
         row = torch.tensor([self.head_map.row(s.seq_id)], device=self.device)
-        return end_of_prefill(self.head_map, layer, row, q, s.query_start + s.num_query, s.num_query,
-                              ks[:s.context_len], self.scale, self.dev_cache.block_size,
-                              self.sparse.fill_window if fills else 0, seed=seed)
+        return end_of_prefill(self.head_map, layer, row, last, ks[:s.context_len], self.scale,
+                              self.dev_cache.block_size, self.sparse.fill_window if fills else 0, seed=seed)
 
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor) -> None:
