@@ -171,11 +171,11 @@ class HostPoolRuntime:
         self.bound = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         """Per state row: the candidate count its last prediction ranked (see ``HostPoolBatch.gap_block``)."""
         self.first: dict[str, int] = {}
+        """Running request id -> its first physical block."""
         self.prefilling: set[str] = set()
         """Requests started and not yet filled (their prefill runs)."""
         self.windows = PromptWindows(opts.fill_window) if opts.fill_window else None
         """``fill_window``: the last prompt rows of requests prefilled in chunks."""
-        """Running request id -> its first physical block."""
         self.step_no = 0
         self.cur: _Step | None = None
         self._pending_ready: torch.Tensor | None = None
@@ -362,8 +362,10 @@ class HostPoolRuntime:
                                  common["max_seq_len"], self.step_no, fills, self.host_table(rows))
             self.bound[rows] = st.fill.batch.next_candidates
             self.counts["fills"] += len(fills)
-        if not captured and ((fills and self.head_map.attended is not None) or (self.windows is not None and self.prefilling)):
-            st.prefill_spans = self._prefill_spans(common)
+        if not captured and ((fills and self.head_map.attended is not None) or (
+                self.windows is not None and self.prefilling
+                and (plan.num_decodes < common["seq_lens"].numel() or events.short_prefills > 0))):
+            st.prefill_spans = self._prefill_spans(common)  # (a step with prefill rows)
         self.prefilling.difference_update(fills)
         if st.fallback:
             self.counts["fallback_steps"] += 1
