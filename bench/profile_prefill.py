@@ -100,6 +100,23 @@ def sync_sites(run) -> list[tuple[int, str]]:
     return [(n, w) for w, n in sites.most_common()]
 
 
+def ab_variants(ab: str) -> list[dict]:
+    """``--ab``'s engine options per run: NAME (True, then False) or NAME=A,B,... (integers where they parse)."""
+    if not ab:
+        return [{}]
+    if "=" not in ab:
+        return [{ab: True}, {ab: False}]
+    name, values = ab.split("=", 1)
+
+    def value(v: str):
+        try:
+            return int(v)
+        except ValueError:
+            return {"true": True, "false": False}.get(v.lower(), v)
+
+    return [{name: value(v)} for v in values.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -118,7 +135,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (timings mean nothing)")
     ap.add_argument("--out", default="prefill-profile.txt")
     ap.add_argument("--ab", default="", help="an engine option (e.g. copy_engine_prefill): each mode runs with it "
-                    "True, then False, in this process (an A/B measured side by side)")
+                    "True, then False, in this process (an A/B measured side by side); NAME=A,B runs it at A, then B "
+                    "(e.g. fill_window=32,0)")
     ap.add_argument("--no-profile", action="store_true", help="only the timed run (no torch.profiler run)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -139,7 +157,7 @@ def main() -> None:
     kv_gb, host_gb = max(args.kv_gb, need_gb, working_sets_gb), max(args.host_gb, need_gb)
     report[0] += f"; device KV {kv_gb:.1f} GiB, host pool {host_gb:.1f} GiB"
     print(report[0], flush=True)
-    variants = [{args.ab: True}, {args.ab: False}] if args.ab else [{}]
+    variants = ab_variants(args.ab)
     for mode, variant in ((m, v) for m in args.modes.split(",") for v in variants):
         llm = LLM(args.model, device=args.device, dtype=dtype, mode=mode, kv_cache_gb=kv_gb,
                   host_kv_bytes=int(host_gb * GiB), max_num_batched_tokens=args.chunk, top_k_blocks=TOP_K,
