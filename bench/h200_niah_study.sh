@@ -25,7 +25,9 @@
 #                    (fill_window; default "0,32") at the PAIRS points, block size 8, n-gram draft, MODES (oasiskv)
 #   GROUP=sweep      any option at the default block size: per PAIRS length:K, MODES (oasiskv) with EXTRA and
 #                    --sweep "$SWEEP" (e.g. SWEEP=fill_window=0,32); "@K4@" in EXTRA or SWEEP is K / 4 at each point
-#                    (EXTRA="--set attended_blocks=@K4@")
+#                    (EXTRA="--set attended_blocks=@K4@"); any length runs: PAIRS="7680:60" is the 8K point (8K prompts
+#                    leave SmolLM2-135M no room to answer), MODES=sparse-resident SWEEP=selection_score=quest,attention
+#                    its ceiling
 # TAG names a call's output (default GROUP) so two calls of one group on a warm machine keep both; MODES replaces
 # the attended group's modes (e.g. MODES=oasiskv when EXTRA changes only oasiskv's fetch).
 # Each accuracy command's run directory goes into $OUT/<tag>.tar.gz (re-packed every 20 s, so a call that runs out
