@@ -316,7 +316,8 @@ class SparseConfig:
         "exact attention mass of the prompt's last N rows (the prefill has every key on the device then; SnapKV's "
         "observation window) instead of fill_query's prediction from one query's summaries (0: that prediction). "
         "Off by default: on SmolLM2 it helps at half the context and, with attended_share, at 1/8, but costs 0.7 / 2.4 "
-        "points at 1/4 (2K / 4K) and ~5% of a 32K prefill (docs/accuracy.md).", "an integer >= 0", lambda v: _int(v) and v >= 0)
+        "points at 1/4 (2K / 4K) and ~5% of a 32K prefill (docs/accuracy.md).", "an integer >= 0",
+        lambda v: _int(v) and v >= 0)
     accept_drafts: bool = _opt(
         False, "oasiskv: when the model's token equals the draft, emit the draft row's token too (two tokens a step, "
         "as vLLM's speculative decoding; outputs stay exact). The draft's KV is kept only when accepted. n-gram "
