@@ -23,6 +23,7 @@ import torch
 
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.models.loader import model_config_for
+from oasisbench.runners.accuracy import sweep_value
 from oasisbench.runners.step_trace import trace_lines
 
 GiB = 1 << 30
@@ -101,20 +102,14 @@ def sync_sites(run) -> list[tuple[int, str]]:
 
 
 def ab_variants(ab: str) -> list[dict]:
-    """``--ab``'s engine options per run: NAME (True, then False) or NAME=A,B,... (integers where they parse)."""
+    """``--ab``'s engine options per run: NAME (True, then False) or NAME=A,B,... (each value as the option's type,
+    as ``--sweep`` reads it)."""
     if not ab:
         return [{}]
-    if "=" not in ab:
+    name, sep, values = ab.partition("=")
+    if not sep:
         return [{ab: True}, {ab: False}]
-    name, values = ab.split("=", 1)
-
-    def value(v: str):
-        try:
-            return int(v)
-        except ValueError:
-            return {"true": True, "false": False}.get(v.lower(), v)
-
-    return [{name: value(v)} for v in values.split(",")]
+    return [{name: sweep_value(name, v)} for v in values.split(",")]
 
 
 def main() -> None:

@@ -312,3 +312,22 @@ def test_minmax_mass_with_a_covering_budget_equals_dense(tiny, dense_tokens, mod
               selection_score="minmax_mass")
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense_tokens
     assert calls                                                     # the predictions ranked with it
+
+
+def test_profile_prefill_ab_runs_an_option_at_each_value_as_its_type():
+    """bench/profile_prefill.py --ab: NAME is True then False; NAME=A,B,... each value typed as the option is."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("profile_prefill",
+                                                  Path(__file__).parents[1] / "bench" / "profile_prefill.py")
+    pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)
+    assert pp.ab_variants("") == [{}]
+    assert pp.ab_variants("copy_engine_prefill") == [{"copy_engine_prefill": True}, {"copy_engine_prefill": False}]
+    runs = pp.ab_variants("fill_window=0,32,0")
+    assert runs == [{"fill_window": 0}, {"fill_window": 32}, {"fill_window": 0}]
+    assert all(type(r["fill_window"]) is int for r in runs)
+    assert pp.ab_variants("fetch_ratio=0.05,0.25") == [{"fetch_ratio": 0.05}, {"fetch_ratio": 0.25}]
+    with pytest.raises(ValueError, match="not an integer"):
+        pp.ab_variants("fill_window=32,x")
