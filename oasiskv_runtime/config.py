@@ -291,6 +291,13 @@ class SparseConfig:
         "quest, minmax_mass, attention, gauss or quest_rank", lambda v: v in SELECTION_SCORES)
     dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
                              "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)
+    early_fetch_ratio: float = _opt(
+        0.0, "proxy-prefetch / oasiskv: a request's first early_steps decode steps after its prefill admit up to "
+        "ceil(early_fetch_ratio * top_k_blocks) blocks per KV head instead of fetch_ratio's cap, so its working set "
+        "can turn over from the fill to what the decode attends (0: off). A study of issue #34: docs/accuracy.md.",
+        "a number in [0, 1] (0: off)", lambda v: _num(v) and 0.0 <= v <= 1.0)
+    early_steps: int = _opt(16, "How many of a request's first decode steps get early_fetch_ratio's cap.",
+                            "a positive integer", lambda v: _int(v) and v > 0)
     link_gbps: float = _opt(
         0.0, "GB/s the prefetch may use: each decode step's cap becomes what that rate moves in one measured step, "
         "never below the fetch_ratio cap (0: the fixed cap; set it below the rate the gather reaches).",
@@ -350,6 +357,9 @@ class SparseConfig:
         if self.fill_window and not mode.prefetches:
             raise ValueError(f"fill_window needs a prefetching mode (proxy-prefetch or oasiskv: the modes that fill a "
                              f"working set when a prefill completes), not {mode.value}")
+        if self.early_fetch_ratio and not mode.prefetches:
+            raise ValueError(f"early_fetch_ratio needs a prefetching mode (proxy-prefetch or oasiskv: the modes with a "
+                             f"fetch cap), not {mode.value}")
         if self.demand_fetch and not mode.prefetches:
             raise ValueError(f"demand_fetch needs a prefetching mode (proxy-prefetch or oasiskv), not {mode.value}"
                              + (" (it fetches every missing block on demand already)"
@@ -379,6 +389,13 @@ class SparseConfig:
         from oasiskv_runtime.core.selector import fetch_cap
 
         return fetch_cap(self.fetch_ratio, self.top_k_blocks)
+
+    @property
+    def early_cap(self) -> int:
+        """The cap of a request's first ``early_steps`` decode steps (0: ``early_fetch_ratio`` off)."""
+        from oasiskv_runtime.core.selector import fetch_cap
+
+        return fetch_cap(self.early_fetch_ratio, self.top_k_blocks) if self.early_fetch_ratio else 0
 
 
 @dataclass(frozen=True)

@@ -146,3 +146,54 @@ KERNEL_CASES = CASES + [(70, 8, 128, 128, 64, 1100, 7)]
 @pytest.mark.parametrize("fill,strided", [(False, True), (True, False), (False, False)])
 def test_kernel_matches_reference(R, H, K, P, n, nlog, cap, fill, strided, device):
     _kernel_vs_ref(device, R, H, K, P, n, nlog, cap, fill, strided)
+
+
+def _row_caps(gen, n, cap, device="cpu"):
+    """Per-request caps in ``[-1, cap + 2]``: out-of-range ones must clip to ``[0, cap]``."""
+    return torch.randint(-1, cap + 3, (n,), generator=gen).to(device)
+
+
+@pytest.mark.parametrize("R,H,K,P,n,nlog,cap", [c for c in CASES if c[-1] > 0])
+def test_row_caps_are_each_requests_own_cap(R, H, K, P, n, nlog, cap):
+    """``row_cap`` (early_fetch_ratio's per-request caps): each request's rows are selected as with its own cap
+    alone (clipped to ``[0, cap]``), in a plan as wide as ``cap``."""
+    gen = torch.Generator().manual_seed(R * 7 + K + cap)
+    smap, ls, rows, pred, primary, slot_blocks = _inputs(gen, R, H, K, P, n, nlog)
+    row_cap = _row_caps(gen, n, cap)
+    out = _run(lambda *a: select_plan_ref(*a, row_cap=row_cap), smap, ls, rows, pred, cap, 11, primary,
+               slot_blocks, R, False)
+    c = max(1, min(K, cap))
+    pairs, _ = _copies(out, n, H, c)
+    for b in range(n):
+        own = min(max(int(row_cap[b]), 0), cap)
+        alone = _run(select_plan_ref, smap, ls, rows[b:b + 1], pred[b:b + 1], own, 11, primary[b:b + 1],
+                     slot_blocks[b:b + 1], R, False)
+        r = int(rows[b])
+        assert torch.equal(out["smap"][r], alone["smap"][r]) and torch.equal(out["ls"][r], alone["ls"][r])
+        assert all(len(pairs[(b, h)]) <= own for h in range(H))
+        assert int(out["req"][r]) == int(alone["req"][r])
+
+
+def test_row_caps_of_the_wrong_shape_are_refused():
+    gen = torch.Generator().manual_seed(1)
+    smap, ls, rows, pred, primary, slot_blocks = _inputs(gen, 4, 2, 5, 5, 2, 20)
+    z = torch.zeros((), dtype=torch.long)
+    with pytest.raises(ValueError, match="row_cap must be"):
+        select_plan(smap, ls, rows, pred, 1, 0, primary, slot_blocks, z, row_cap=torch.ones(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("R,H,K,P,n,nlog,cap", [c for c in KERNEL_CASES if c[-1] > 0])
+def test_kernel_matches_reference_with_row_caps(R, H, K, P, n, nlog, cap, device):
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    smap, ls, rows, pred, primary, slot_blocks = _inputs(gen, R, H, K, P, n, nlog, device)
+    row_cap = _row_caps(gen, n, cap, device)
+    step = torch.tensor(5, device=device)
+    ref = _run(lambda *a: select_plan_ref(*a, row_cap=row_cap), smap, ls, rows, pred, cap, step, primary,
+               slot_blocks, R, False)
+    ker = _run(lambda *a: select_plan(*a, row_cap=row_cap, backend="triton"), smap, ls, rows, pred.int(), cap,
+               step, primary, slot_blocks, R, False)
+    for key in ("smap", "ls", "fetched", "deferred", "req", "head"):
+        assert torch.equal(ref[key].cpu(), ker[key].cpu()), key
+    c = max(1, min(K, cap))
+    assert _copies(ref, n, H, c) == _copies(ker, n, H, c)

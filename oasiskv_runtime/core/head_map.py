@@ -16,6 +16,10 @@ import torch
 from oasiskv_runtime.ops.attended import attended_topk, heaviest_blocks
 
 
+NEVER = -(1 << 40)
+"""``HeadMap.start`` of a row with no filled working set: every step is far past it."""
+
+
 class HeadMap:
     """``slot_map`` / ``last_sel``: ``[max_rows, num_layers, Hkv, K]`` int64 on ``device`` (None in modes whose
     working set is the whole device-resident context: ``with_map=False``)."""
@@ -32,6 +36,9 @@ class HeadMap:
             if attended_blocks else None
         """``attended_blocks``: per request, layer and KV head, the logical blocks that held the most of its last
         step's attention (a decode step's, or the end of its prefill's), most first (-1: none); every sparse mode."""
+        self.start = torch.full((max_rows,), NEVER, dtype=torch.long, device=device)
+        """Per row, the step its working set was filled (its prefill completed, or a peer handed it over): how
+        ``early_fetch_ratio`` finds a request's first decode steps on the device."""
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_rows))
         self.ready: set[int] = set()
@@ -57,8 +64,21 @@ class HeadMap:
             self.last_sel[row] = -1
         if self.attended is not None:
             self.attended[row] = -1
+        self.start[row] = NEVER
         self.free_rows.append(row)
         return row
+
+    def stamp_start(self, rows: torch.Tensor, step: int | torch.Tensor) -> None:
+        """Rows ``rows`` start their decode steps after step ``step`` (their working sets are filled in it)."""
+        if isinstance(step, torch.Tensor):
+            self.start.index_put_((rows,), step.to(self.start.device, torch.long).expand(rows.shape))
+        else:
+            self.start.index_fill_(0, rows, step)
+
+    def since_start(self, rows: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+        """``[n]``: steps since rows ``rows`` were filled (1 at the first decode step; huge for a row never
+        stamped), on the device (no host read: CUDA graphs capture it)."""
+        return step - self.start[rows]
 
     def clear(self, layer: int, rows: torch.Tensor) -> None:
         """Empty one layer's map rows of ``rows`` ([n] on the map's device) before they are filled again."""
@@ -121,4 +141,5 @@ class HeadMap:
         last = state["last_sel"].to(dev)
         self.slot_map[row] = state["slot_map"].to(dev)
         self.last_sel[row] = torch.where(last >= 0, last + (step - 1), torch.full_like(last, -1))
+        self.start[row] = step - 1  # its first decode step here is its first after the prefill
         return row

@@ -50,12 +50,14 @@ class LookaheadPipeline:
             self.transfer.wait(layer)
 
     def fetch(self, layer: int, batch: DecodeBatch, pred: torch.Tensor, cap: int, initial: bool = False,
-              stream: torch.cuda.Stream | None = None, demand: bool = False) -> None:
+              stream: torch.cuda.Stream | None = None, demand: bool = False,
+              row_cap: torch.Tensor | None = None) -> None:
         """Algorithm 2 on every (request, KV head) row of this layer (``cap`` admissions per row, the per-head map
         rewritten in place) and a fixed-size copy plan, in one launch (:func:`select_plan`: no host round trip to
         compact it), then one gather of the admitted blocks; on ``stream`` when given (ordered after the plan),
         where the layer's event is recorded. ``initial``: the working set's first fill, ``demand``: a prefetching
-        mode's misses fetched on demand (``demand_fetch``); both counted apart."""
+        mode's misses fetched on demand (``demand_fetch``); both counted apart. ``row_cap``: ``[B]`` each request's
+        own cap, at most ``cap`` (``early_fetch_ratio``)."""
         c = self.transfer.counters
         if initial:
             counters = (c.initial,)
@@ -65,6 +67,7 @@ class LookaheadPipeline:
             counters = (c.fetched[layer], c.deferred[layer], c.req_fetched)
         src, dst, head = select_plan(self.map.slot_map[:, layer], self.map.last_sel[:, layer], batch.state_rows, pred,
                                      cap, batch.step, batch.primary_table, batch.slot_blocks, *counters,
+                                     row_cap=row_cap,
                                      backend=self.transfer.backend if self.kernels.select_kernel else "ref")
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -78,14 +81,16 @@ class LookaheadPipeline:
                                    copies=self.kernels.gather_copies, hint=self.kernels.gather_hint)
         self.transfer.mark(layer, stream)
 
-    def prefetch(self, layer: int, batch: DecodeBatch, pred_q: torch.Tensor, cap: int) -> None:
+    def prefetch(self, layer: int, batch: DecodeBatch, pred_q: torch.Tensor, cap: int,
+                 row_cap: torch.Tensor | None = None) -> None:
         """After layer ``layer``'s attention: predict the next step's top-K from ``pred_q`` ``[B, Hq, D]``, select
-        (at most ``cap`` admissions per request and head) and copy."""
+        (at most ``cap`` admissions per request and head, or ``row_cap``'s ``[B]``, each at most ``cap``) and
+        copy."""
         keep = self.map.attended_ids(layer, batch.state_rows)  # None unless attended_blocks
         if not self.background:
             pred = self.predictor.predict(layer, pred_q, batch, next_step=True, keep=keep)
             self._remember(layer, batch, pred)
-            self.fetch(layer, batch, pred, cap)
+            self.fetch(layer, batch, pred, cap, row_cap=row_cap)
             return
         # The transfer also waits for this layer's attention, which still reads the slots it is about to overwrite.
         # A tensor made on one stream and read on another is marked with record_stream: otherwise its memory could
@@ -102,7 +107,7 @@ class LookaheadPipeline:
         s_sel.wait_stream(s_pred)
         pred.record_stream(s_sel)
         with torch.cuda.stream(s_sel):
-            self.fetch(layer, batch, pred, cap, stream=s_xfer)
+            self.fetch(layer, batch, pred, cap, stream=s_xfer, row_cap=row_cap)
 
     def fill(self, layer: int, batch: DecodeBatch, query: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         """Fill the working sets of requests whose prefill completes this step: predict the first decode step's
@@ -114,6 +119,8 @@ class LookaheadPipeline:
         else:
             pred = self.predictor.rank(scores, batch.next_candidates, keep=keep)
         self.map.clear(layer, batch.state_rows)
+        if layer == 0:
+            self.map.stamp_start(batch.state_rows, batch.step)
         self.fetch(layer, batch, pred, self.map.k_slots, initial=True)
 
     # ---- requests and reports -------------------------------------------------------------------------------

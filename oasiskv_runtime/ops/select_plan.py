@@ -40,7 +40,7 @@ tl = None
 
 
 def _check(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor,
-           cap: int) -> tuple[int, int, int]:
+           cap: int, row_cap: torch.Tensor | None = None) -> tuple[int, int, int]:
     if slot_map.dim() != 3 or last_sel.shape != slot_map.shape:
         raise ValueError(f"slot_map / last_sel must both be [R, Hkv, K], got {tuple(slot_map.shape)} and "
                          f"{tuple(last_sel.shape)}")
@@ -49,16 +49,21 @@ def _check(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, p
         raise ValueError(f"pred must be [n={n}, Hkv={h}, P<={k}], got {tuple(pred.shape)}")
     if cap < 0:
         raise ValueError(f"cap must be >= 0, got {cap}")
+    if row_cap is not None and (row_cap.shape != (n,) or row_cap.device != slot_map.device):
+        raise ValueError(f"row_cap must be [n={n}] on {slot_map.device}, got {tuple(row_cap.shape)} on "
+                         f"{row_cap.device}")
     return n, h, k
 
 
 def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor,
                     cap: int, step: int | torch.Tensor, primary_table: torch.Tensor, slot_blocks: torch.Tensor,
                     fetched: torch.Tensor, deferred: torch.Tensor | None = None,
-                    req_fetched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    req_fetched: torch.Tensor | None = None, row_cap: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-PyTorch reference of :func:`select_plan` (same arguments and results)."""
-    n, h, k = _check(slot_map, last_sel, rows, pred, cap)
-    plan = select_rows(slot_map, last_sel, rows, pred, cap, step)
+    n, h, k = _check(slot_map, last_sel, rows, pred, cap, row_cap)
+    caps = cap if row_cap is None else row_cap.long().clamp(0, cap).repeat_interleave(h)
+    plan = select_rows(slot_map, last_sel, rows, pred, caps, step)
     new_map = plan.new_slot_blocks.view(n, h, k)
     c = max(1, min(k, cap))
     val, idx = torch.topk(plan.admit_mask.view(n, h, k).to(torch.int32), c, dim=-1)  # [n, h, c]
@@ -81,10 +86,11 @@ def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.
 def _kernels():
 
     @triton.jit
-    def _select_plan_kernel(MAP, LS, ROWS, PRED, STEP, PRIM, SLOTB, SRC, DST, HEAD, FETCHED, DEFERRED, REQ,
+    def _select_plan_kernel(MAP, LS, ROWS, PRED, STEP, PRIM, SLOTB, SRC, DST, HEAD, FETCHED, DEFERRED, REQ, ROWCAP,
                             cap, c, s_mr, s_mh, s_lr, s_lh, s_pb, s_ph, s_tb, s_sb,
                             H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, KP: tl.constexpr,
-                            PP: tl.constexpr, CP: tl.constexpr, COUNT_STEP: tl.constexpr):
+                            PP: tl.constexpr, CP: tl.constexpr, COUNT_STEP: tl.constexpr,
+                            HAS_ROW_CAP: tl.constexpr):
         pid = tl.program_id(0)
         b = pid // H
         hd = pid % H
@@ -106,7 +112,10 @@ def _kernels():
         missing = valid & (pred_hit == 0)
         mi = missing.to(tl.int32)
         num_missing = tl.sum(mi, axis=0)
-        n_admit = tl.minimum(num_missing, cap)
+        if HAS_ROW_CAP:  # this request's own cap, at most the plan's width
+            n_admit = tl.minimum(num_missing, tl.maximum(tl.minimum(tl.load(ROWCAP + b).to(tl.int32), cap), 0))
+        else:
+            n_admit = tl.minimum(num_missing, cap)
         mrank = tl.cumsum(mi, axis=0) - 1                                             # rank among missing
 
         # Eviction rank of each slot: empty (0) < evictable (last selected + 2) < hit, ties by slot index
@@ -155,8 +164,8 @@ def _triton_available() -> bool:
 def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor,
                 cap: int, step: int | torch.Tensor, primary_table: torch.Tensor, slot_blocks: torch.Tensor,
                 fetched: torch.Tensor, deferred: torch.Tensor | None = None,
-                req_fetched: torch.Tensor | None = None, *, backend: str = "auto"
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                req_fetched: torch.Tensor | None = None, row_cap: torch.Tensor | None = None, *,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Algorithm 2 for one layer's rows, in place, and that layer's transfer plan.
 
     Args:
@@ -164,11 +173,14 @@ def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tens
             strided views are fine, the last dimension contiguous). Rows ``rows`` are rewritten in place.
         rows: ``[n]`` state row of each request of the batch (distinct).
         pred: ``[n, Hkv, P]`` int, ``P <= K``: predicted blocks in rank order, ``-1`` padded.
-        cap: admission cap ``C`` per row; step: the step stamped into ``last_sel`` (int or 0-d tensor).
+        cap: admission cap ``C`` per row (and the plan's width); step: the step stamped into ``last_sel`` (int or
+            0-d tensor).
         primary_table: ``[n, >= max block + 1]`` primary-pool block of each logical block of each request.
         slot_blocks: ``[n, K]`` device block of each working-set slot.
         fetched: 0-d int64 counter, += copies admitted. deferred (0-d) and req_fetched (``[R]``) int64
             counters, += blocks deferred and copies per request; both or neither (the initial fill).
+        row_cap: ``[n]`` int (optional): each request's own cap for all its KV heads, clipped to ``[0, cap]``
+            (``early_fetch_ratio``: a larger cap for requests in their first decode steps).
     Returns:
         ``(src, dst, head)``, each ``[n * Hkv * c]`` with ``c = max(1, min(K, cap))``: row ``(b, h)``'s
         entries at ``[(b * Hkv + h) * c, ... + c)``, unused ones with ``src = dst = -1``.
@@ -182,8 +194,8 @@ def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tens
     use_triton = backend == "triton" or (backend == "auto" and slot_map.is_cuda and _triton_available())
     if not use_triton:
         return select_plan_ref(slot_map, last_sel, rows, pred, cap, step, primary_table, slot_blocks, fetched,
-                               deferred, req_fetched)
-    n, h, k = _check(slot_map, last_sel, rows, pred, cap)
+                               deferred, req_fetched, row_cap)
+    n, h, k = _check(slot_map, last_sel, rows, pred, cap, row_cap)
     dev = slot_map.device
     c = max(1, min(k, cap))
     src = torch.empty(n * h * c, dtype=torch.long, device=dev)
@@ -201,9 +213,10 @@ def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tens
     with on_device(slot_map):
         _kernels().select_plan[(n * h,)](
             slot_map, last_sel, rows, pred, step, primary_table, slot_blocks, src, dst, head, fetched,
-            deferred if count_step else fetched, req_fetched if count_step else fetched, cap, c,
+            deferred if count_step else fetched, req_fetched if count_step else fetched,
+            row_cap if row_cap is not None else rows, cap, c,
             slot_map.stride(0), slot_map.stride(1), last_sel.stride(0), last_sel.stride(1),
             pred.stride(0), pred.stride(1), primary_table.stride(0), slot_blocks.stride(0),
             H=h, K=k, P=pred.shape[2], KP=kp, PP=max(16, next_pow2(pred.shape[2])), CP=max(16, next_pow2(c)),
-            COUNT_STEP=count_step, num_warps=8 if kp <= 128 else 16)
+            COUNT_STEP=count_step, HAS_ROW_CAP=row_cap is not None, num_warps=8 if kp <= 128 else 16)
     return src, dst, head

@@ -234,7 +234,7 @@ class OasisKVAttention:
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
         if b is not None and self.mode.prefetches:
-            self.pipeline.prefetch(layer, b, q[b.pred_rows()], self.step_cap)
+            self.pipeline.prefetch(layer, b, q[b.pred_rows()], *self._prefetch_caps(b))
         if step.fill is not None:
             self.io.wait(self.io.write_event)  # the chunk's rows must be in the pool before the first fill reads them
             self.pipeline.fill(layer, step.fill, q[step.fill.q_rows],
@@ -242,6 +242,16 @@ class OasisKVAttention:
                                            step.fill.max_next_candidates) if fill_mass else None)
             self.context.copy_tails(layer, step.fill_tails, device_path)
         return out
+
+    def _prefetch_caps(self, b: DecodeBatch) -> tuple[int, torch.Tensor | None]:
+        """The prefetch's cap this step, and with ``early_fetch_ratio`` each request's: ``early_cap`` for a request
+        in its first ``early_steps`` decode steps, the step's cap after (made on the device once per step)."""
+        early = self.sparse.early_cap
+        if early <= self.step_cap:
+            return self.step_cap, None
+        n = self.sparse.early_steps
+        return early, b.derived("early_caps", lambda: torch.where(
+            self.head_map.since_start(b.state_rows, b.step) <= n, early, self.step_cap))
 
     def _end_of_prefill(self, layer: int, s: SeqSlice, q: torch.Tensor, ks: torch.Tensor, seed: bool,
                         fills: bool) -> torch.Tensor | None:
@@ -359,6 +369,7 @@ class OasisKVAttention:
         sp = self.sparse
         return (self.step_cap, self.debug.disable_transfers, sp.fetch_on_demand_cap, sp.sink_blocks, sp.recent_blocks,
                 sp.attended, sp.selection_score, sp.accept_drafts, sp.demand_fetch, sp.demand_fetch_cap,
+                sp.early_cap, sp.early_steps,
                 k.gather_ctas, k.gather_copies, k.gather_hint, k.select_kernel, k.pipeline_priority)
 
     def graph_join(self) -> None:
