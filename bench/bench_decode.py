@@ -193,6 +193,8 @@ VARIANT_OPTIONS = (
      "CUDA priorities of the prefetch pipeline's streams (lower is higher), e.g. 0,-1"),
     ("--link-gbps", "link_gbps", float, "per-step fetch caps from the link's budget in GB/s (0: the fixed cap), "
      "e.g. 0,30"),
+    ("--early-fetch-ratio", "early_fetch_ratio", float, "a larger cap for each request's first early_steps decode "
+     "steps (0: off); requests placed here never had a prefill, so this times the wider copy plan alone, e.g. 0,0.25"),
     ("--demand-fetch", "demand_fetch", _demand, "oasiskv's copies of the step's own top-K misses on the critical path "
      "(off, or demand_fetch_cap N: at most N blocks per request, layer and KV head; 0: every miss), e.g. off,1,2,0"),
 )
