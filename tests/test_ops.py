@@ -631,6 +631,26 @@ def test_uva_gather_triton_kernel_copies_and_tier(device, programs, copies, tier
         assert bool(((src >= 0) & (src < n_host)).any()) and bool((src >= n_host).any())
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("programs,copies,count", [(7, 2, 0), (3, 4, 37), (32, 8, 101), (0, 4, 50)])
+def test_uva_gather_triton_stops_at_the_plans_count(device, programs, copies, count):
+    """A compacted plan's ``count`` (a device scalar): the Triton gather copies its first ``count`` entries and none
+    after, even where later entries look like copies (a compacted plan leaves them -1 for the other backends)."""
+    gen = _gen(programs + copies + count)
+    BS, Hkv, D, n = 8, 3, 48, 101
+    hk, hv, dk, dv, src, dst, heads = _gather_inputs(gen, 40, 57, BS, Hkv, D, n)
+    if device == "cuda":
+        hk, hv = hk.pin_memory(), hv.pin_memory()
+    dk, dv = dk.to(device), dv.to(device)
+    want_k, want_v = dk.cpu().clone(), dv.cpu().clone()
+    ug.uva_gather_ref(hk.cpu(), hv.cpu(), want_k, want_v, src[:count], dst[:count], heads[:count])
+    ug._gather_triton(hk, hv, dk, dv, src.to(device), dst.to(device), heads.to(device), n, programs, copies,
+                      count=torch.tensor(count, dtype=torch.int32, device=device))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dk.cpu(), want_k) and torch.equal(dv.cpu(), want_v)
+
+
 def _check_triton_gather(gen, device, n_host, n_tier, n, programs, copies, tiered, hint=""):
     """The Triton gather of ``n`` random copies (20% unused) from a pool of ``n_host`` blocks (plus a tier of
     ``n_tier`` read in the same launch when ``tiered``) equals the reference, and an unknown hint is refused;

@@ -153,33 +153,53 @@ def _row_caps(gen, n, cap, device="cpu"):
     return torch.randint(-1, cap + 3, (n,), generator=gen).to(device)
 
 
+def _compacted(fn, row_cap, *args):
+    """``fn`` with per-request caps: its plan, and the copies it lists as a sorted list of (src, dst, head)."""
+    count = torch.zeros((), dtype=torch.int32, device=row_cap.device)
+    out = _run(lambda *a: fn(*a, row_cap=row_cap, count=count), *args)
+    m = int(count)
+    src, dst, head = (out[x].cpu() for x in ("src", "dst", "head"))
+    assert (src[:m] >= 0).all() and (dst[:m] >= 0).all(), "the first count entries are the copies"
+    assert (src[m:] == -1).all() and (dst[m:] == -1).all(), "every later entry is unused"
+    assert m == int(out["fetched"])
+    return out, sorted(zip(src[:m].tolist(), dst[:m].tolist(), head[:m].tolist()))
+
+
 @pytest.mark.parametrize("R,H,K,P,n,nlog,cap", [c for c in CASES if c[-1] > 0])
-def test_row_caps_are_each_requests_own_cap(R, H, K, P, n, nlog, cap):
+def test_row_caps_are_each_requests_own_cap_in_a_compacted_plan(R, H, K, P, n, nlog, cap):
     """``row_cap`` (early_fetch_ratio's per-request caps): each request's rows are selected as with its own cap
-    alone (clipped to ``[0, cap]``), in a plan as wide as ``cap``."""
+    alone (clipped to ``[0, cap]``), and the plan lists every copy of those selections first, then only -1."""
     gen = torch.Generator().manual_seed(R * 7 + K + cap)
     smap, ls, rows, pred, primary, slot_blocks = _inputs(gen, R, H, K, P, n, nlog)
     row_cap = _row_caps(gen, n, cap)
-    out = _run(lambda *a: select_plan_ref(*a, row_cap=row_cap), smap, ls, rows, pred, cap, 11, primary,
-               slot_blocks, R, False)
-    c = max(1, min(K, cap))
-    pairs, _ = _copies(out, n, H, c)
+    out, copies = _compacted(select_plan_ref, row_cap, smap, ls, rows, pred, cap, 11, primary, slot_blocks, R, False)
+    assert out["src"].shape == (n * H * max(1, min(K, cap)),)
+    want = []
     for b in range(n):
         own = min(max(int(row_cap[b]), 0), cap)
         alone = _run(select_plan_ref, smap, ls, rows[b:b + 1], pred[b:b + 1], own, 11, primary[b:b + 1],
                      slot_blocks[b:b + 1], R, False)
         r = int(rows[b])
         assert torch.equal(out["smap"][r], alone["smap"][r]) and torch.equal(out["ls"][r], alone["ls"][r])
-        assert all(len(pairs[(b, h)]) <= own for h in range(H))
         assert int(out["req"][r]) == int(alone["req"][r])
+        valid = alone["src"] >= 0
+        want += zip(alone["src"][valid].tolist(), alone["dst"][valid].tolist(), alone["head"][valid].tolist())
+    assert copies == sorted(want)
 
 
-def test_row_caps_of_the_wrong_shape_are_refused():
+def test_row_caps_of_the_wrong_shape_or_without_a_count_are_refused():
     gen = torch.Generator().manual_seed(1)
     smap, ls, rows, pred, primary, slot_blocks = _inputs(gen, 4, 2, 5, 5, 2, 20)
     z = torch.zeros((), dtype=torch.long)
+    count = torch.zeros((), dtype=torch.int32)
     with pytest.raises(ValueError, match="row_cap must be"):
-        select_plan(smap, ls, rows, pred, 1, 0, primary, slot_blocks, z, row_cap=torch.ones(3, dtype=torch.long))
+        select_plan(smap, ls, rows, pred, 1, 0, primary, slot_blocks, z, row_cap=torch.ones(3, dtype=torch.long),
+                    count=count)
+    with pytest.raises(ValueError, match="row_cap and count go together"):
+        select_plan(smap, ls, rows, pred, 1, 0, primary, slot_blocks, z, row_cap=torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="row_cap and count go together"):
+        select_plan(smap, ls, rows, pred, 1, 0, primary, slot_blocks, z, row_cap=torch.ones(2, dtype=torch.long),
+                    count=z)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -189,11 +209,10 @@ def test_kernel_matches_reference_with_row_caps(R, H, K, P, n, nlog, cap, device
     smap, ls, rows, pred, primary, slot_blocks = _inputs(gen, R, H, K, P, n, nlog, device)
     row_cap = _row_caps(gen, n, cap, device)
     step = torch.tensor(5, device=device)
-    ref = _run(lambda *a: select_plan_ref(*a, row_cap=row_cap), smap, ls, rows, pred, cap, step, primary,
-               slot_blocks, R, False)
-    ker = _run(lambda *a: select_plan(*a, row_cap=row_cap, backend="triton"), smap, ls, rows, pred.int(), cap,
-               step, primary, slot_blocks, R, False)
-    for key in ("smap", "ls", "fetched", "deferred", "req", "head"):
+    ref, ref_copies = _compacted(select_plan_ref, row_cap, smap, ls, rows, pred, cap, step, primary, slot_blocks, R,
+                                 False)
+    ker, ker_copies = _compacted(lambda *a, **kw: select_plan(*a, **kw, backend="triton"), row_cap, smap, ls, rows,
+                                 pred.int(), cap, step, primary, slot_blocks, R, False)
+    for key in ("smap", "ls", "fetched", "deferred", "req"):
         assert torch.equal(ref[key].cpu(), ker[key].cpu()), key
-    c = max(1, min(K, cap))
-    assert _copies(ref, n, H, c) == _copies(ker, n, H, c)
+    assert ref_copies == ker_copies

@@ -65,20 +65,22 @@ class LookaheadPipeline:
             counters = (c.demand[layer],)
         else:
             counters = (c.fetched[layer], c.deferred[layer], c.req_fetched)
+        # per-request caps: a compacted plan, whose number of copies the gather reads on the device
+        count = None if row_cap is None else torch.empty((), dtype=torch.int32, device=pred.device)
         src, dst, head = select_plan(self.map.slot_map[:, layer], self.map.last_sel[:, layer], batch.state_rows, pred,
                                      cap, batch.step, batch.primary_table, batch.slot_blocks, *counters,
-                                     row_cap=row_cap,
+                                     row_cap=row_cap, count=count,
                                      backend=self.transfer.backend if self.kernels.select_kernel else "ref")
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-            for t in (src, dst, head):
+            for t in (src, dst, head) + ((count,) if count is not None else ()):
                 t.record_stream(stream)
         with self.transfer.on(stream):
             if self.remote is not None:
                 self.remote.ensure(layer, src[src >= 0])
             if not self.debug.disable_transfers:
                 self.transfer.copy(layer, src, dst, head, ctas=self.kernels.gather_ctas,
-                                   copies=self.kernels.gather_copies, hint=self.kernels.gather_hint)
+                                   copies=self.kernels.gather_copies, hint=self.kernels.gather_hint, count=count)
         self.transfer.mark(layer, stream)
 
     def prefetch(self, layer: int, batch: DecodeBatch, pred_q: torch.Tensor, cap: int,

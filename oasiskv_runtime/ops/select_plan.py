@@ -40,7 +40,7 @@ tl = None
 
 
 def _check(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor,
-           cap: int, row_cap: torch.Tensor | None = None) -> tuple[int, int, int]:
+           cap: int, row_cap: torch.Tensor | None = None, count: torch.Tensor | None = None) -> tuple[int, int, int]:
     if slot_map.dim() != 3 or last_sel.shape != slot_map.shape:
         raise ValueError(f"slot_map / last_sel must both be [R, Hkv, K], got {tuple(slot_map.shape)} and "
                          f"{tuple(last_sel.shape)}")
@@ -52,16 +52,21 @@ def _check(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, p
     if row_cap is not None and (row_cap.shape != (n,) or row_cap.device != slot_map.device):
         raise ValueError(f"row_cap must be [n={n}] on {slot_map.device}, got {tuple(row_cap.shape)} on "
                          f"{row_cap.device}")
+    if (row_cap is None) != (count is None) or (count is not None and (
+            count.shape != () or count.dtype != torch.int32 or count.device != slot_map.device)):
+        raise ValueError("row_cap and count go together (count: a 0-d int32 tensor on the tables' device, the "
+                         "compacted plan's number of copies)")
     return n, h, k
 
 
 def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor,
                     cap: int, step: int | torch.Tensor, primary_table: torch.Tensor, slot_blocks: torch.Tensor,
                     fetched: torch.Tensor, deferred: torch.Tensor | None = None,
-                    req_fetched: torch.Tensor | None = None, row_cap: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    req_fetched: torch.Tensor | None = None, row_cap: torch.Tensor | None = None,
+                    count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-PyTorch reference of :func:`select_plan` (same arguments and results)."""
-    n, h, k = _check(slot_map, last_sel, rows, pred, cap, row_cap)
+    n, h, k = _check(slot_map, last_sel, rows, pred, cap, row_cap, count)
+    plan_count = count
     caps = cap if row_cap is None else row_cap.long().clamp(0, cap).repeat_interleave(h)
     plan = select_rows(slot_map, last_sel, rows, pred, caps, step)
     new_map = plan.new_slot_blocks.view(n, h, k)
@@ -79,7 +84,12 @@ def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.
         deferred += plan.num_deferred.sum()
     if req_fetched is not None:
         req_fetched.index_add_(0, rows, count)
-    return src.flatten(), dst.flatten(), hidx.flatten()
+    src, dst, hidx = src.flatten(), dst.flatten(), hidx.flatten()
+    if row_cap is None:
+        return src, dst, hidx
+    order = torch.argsort((~valid).flatten().to(torch.int8), stable=True)  # the copies first, in row order
+    plan_count.copy_(valid.sum())
+    return src[order], dst[order], hidx[order]
 
 
 @lazy_kernels(globals())
@@ -87,7 +97,7 @@ def _kernels():
 
     @triton.jit
     def _select_plan_kernel(MAP, LS, ROWS, PRED, STEP, PRIM, SLOTB, SRC, DST, HEAD, FETCHED, DEFERRED, REQ, ROWCAP,
-                            cap, c, s_mr, s_mh, s_lr, s_lh, s_pb, s_ph, s_tb, s_sb,
+                            COUNT, cap, c, s_mr, s_mh, s_lr, s_lh, s_pb, s_ph, s_tb, s_sb,
                             H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, KP: tl.constexpr,
                             PP: tl.constexpr, CP: tl.constexpr, COUNT_STEP: tl.constexpr,
                             HAS_ROW_CAP: tl.constexpr):
@@ -136,18 +146,26 @@ def _kernels():
         tl.store(map_ptr, new_blocks.to(MAP.dtype.element_ty), mask=s_ok)
         tl.store(ls_ptr, new_ls.to(LS.dtype.element_ty), mask=s_ok)
 
-        # The plan: entry j < n_admit is the copy into the slot of eviction rank j; the rest are unused.
-        out = pid.to(tl.int64) * c
         src = tl.load(PRIM + b * s_tb + tl.maximum(placed, 0), mask=take, other=-1)
         dst = tl.load(SLOTB + b * s_sb + s, mask=take, other=-1)
-        tl.store(SRC + out + rank, src.to(SRC.dtype.element_ty), mask=take)
-        tl.store(DST + out + rank, dst.to(DST.dtype.element_ty), mask=take)
-        j = tl.arange(0, CP)
-        jm = j < c
-        unused = jm & (j >= n_admit)
-        tl.store(SRC + out + j, tl.full([CP], -1, SRC.dtype.element_ty), mask=unused)
-        tl.store(DST + out + j, tl.full([CP], -1, DST.dtype.element_ty), mask=unused)
-        tl.store(HEAD + out + j, tl.full([CP], 0, HEAD.dtype.element_ty) + hd, mask=jm)
+        if HAS_ROW_CAP:
+            # A compacted plan: the row's copies at a range it reserves after every earlier reservation, so the
+            # gather walks COUNT entries, not every row's cap (the rest stay -1 from the caller's fill).
+            out = tl.atomic_add(COUNT, n_admit).to(tl.int64)
+            tl.store(SRC + out + rank, src.to(SRC.dtype.element_ty), mask=take)
+            tl.store(DST + out + rank, dst.to(DST.dtype.element_ty), mask=take)
+            tl.store(HEAD + out + rank, (rank * 0 + hd).to(HEAD.dtype.element_ty), mask=take)
+        else:
+            # The plan: entry j < n_admit is the copy into the slot of eviction rank j; the rest are unused.
+            out = pid.to(tl.int64) * c
+            tl.store(SRC + out + rank, src.to(SRC.dtype.element_ty), mask=take)
+            tl.store(DST + out + rank, dst.to(DST.dtype.element_ty), mask=take)
+            j = tl.arange(0, CP)
+            jm = j < c
+            unused = jm & (j >= n_admit)
+            tl.store(SRC + out + j, tl.full([CP], -1, SRC.dtype.element_ty), mask=unused)
+            tl.store(DST + out + j, tl.full([CP], -1, DST.dtype.element_ty), mask=unused)
+            tl.store(HEAD + out + j, tl.full([CP], 0, HEAD.dtype.element_ty) + hd, mask=jm)
 
         tl.atomic_add(FETCHED, n_admit.to(tl.int64))
         if COUNT_STEP:
@@ -164,8 +182,9 @@ def _triton_available() -> bool:
 def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor,
                 cap: int, step: int | torch.Tensor, primary_table: torch.Tensor, slot_blocks: torch.Tensor,
                 fetched: torch.Tensor, deferred: torch.Tensor | None = None,
-                req_fetched: torch.Tensor | None = None, row_cap: torch.Tensor | None = None, *,
-                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                req_fetched: torch.Tensor | None = None, row_cap: torch.Tensor | None = None,
+                count: torch.Tensor | None = None, *, backend: str = "auto"
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Algorithm 2 for one layer's rows, in place, and that layer's transfer plan.
 
     Args:
@@ -180,10 +199,15 @@ def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tens
         fetched: 0-d int64 counter, += copies admitted. deferred (0-d) and req_fetched (``[R]``) int64
             counters, += blocks deferred and copies per request; both or neither (the initial fill).
         row_cap: ``[n]`` int (optional): each request's own cap for all its KV heads, clipped to ``[0, cap]``
-            (``early_fetch_ratio``: a larger cap for requests in their first decode steps).
+            (``early_fetch_ratio``: a larger cap for requests in their first decode steps). With it the plan is
+            compacted: its copies are the first ``count`` entries (``count``, a 0-d int32 tensor, is written; the
+            order of rows among them is not fixed), every later entry ``src = dst = -1``: the plan stays as wide as
+            ``cap`` for every row, and :func:`~oasiskv_runtime.ops.uva_gather.uva_gather` given ``count`` walks
+            only the copies.
     Returns:
         ``(src, dst, head)``, each ``[n * Hkv * c]`` with ``c = max(1, min(K, cap))``: row ``(b, h)``'s
-        entries at ``[(b * Hkv + h) * c, ... + c)``, unused ones with ``src = dst = -1``.
+        entries at ``[(b * Hkv + h) * c, ... + c)``, unused ones with ``src = dst = -1`` (with ``row_cap``: the
+        copies first, as above).
     ``backend``: ``"auto"`` (the Triton kernel on CUDA when Triton loads, else the reference), ``"triton"``,
     ``"ref"``.
     """
@@ -194,13 +218,19 @@ def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tens
     use_triton = backend == "triton" or (backend == "auto" and slot_map.is_cuda and _triton_available())
     if not use_triton:
         return select_plan_ref(slot_map, last_sel, rows, pred, cap, step, primary_table, slot_blocks, fetched,
-                               deferred, req_fetched, row_cap)
-    n, h, k = _check(slot_map, last_sel, rows, pred, cap, row_cap)
+                               deferred, req_fetched, row_cap, count)
+    n, h, k = _check(slot_map, last_sel, rows, pred, cap, row_cap, count)
     dev = slot_map.device
     c = max(1, min(k, cap))
-    src = torch.empty(n * h * c, dtype=torch.long, device=dev)
-    dst = torch.empty_like(src)
-    head = torch.empty_like(src)
+    if row_cap is None:
+        src = torch.empty(n * h * c, dtype=torch.long, device=dev)
+        dst = torch.empty_like(src)
+        head = torch.empty_like(src)
+    else:  # compacted: entries past the copies stay as filled here
+        src = torch.full((n * h * c,), -1, dtype=torch.long, device=dev)
+        dst = torch.full_like(src, -1)
+        head = torch.zeros_like(src)
+        count.zero_()
     if n == 0:
         return src, dst, head
     for t in (slot_map, last_sel, pred, primary_table, slot_blocks):
@@ -214,7 +244,7 @@ def select_plan(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.Tens
         _kernels().select_plan[(n * h,)](
             slot_map, last_sel, rows, pred, step, primary_table, slot_blocks, src, dst, head, fetched,
             deferred if count_step else fetched, req_fetched if count_step else fetched,
-            row_cap if row_cap is not None else rows, cap, c,
+            row_cap if row_cap is not None else rows, count if count is not None else fetched, cap, c,
             slot_map.stride(0), slot_map.stride(1), last_sel.stride(0), last_sel.stride(1),
             pred.stride(0), pred.stride(1), primary_table.stride(0), slot_blocks.stride(0),
             H=h, K=k, P=pred.shape[2], KP=kp, PP=max(16, next_pow2(pred.shape[2])), CP=max(16, next_pow2(c)),

@@ -151,10 +151,11 @@ class _MappedPtr:
 def _kernels():
 
     @triton.jit
-    def _uva_gather_kernel(HK, HV, TK, TV, DK, DV, SRC, DST, HEADS, n, groups, programs, first,
+    def _uva_gather_kernel(HK, HV, TK, TV, DK, DV, SRC, DST, HEADS, COUNT, n, groups, programs, first,
                            hs_b, hs_t, hs_h, ds_b, ds_t, ds_h, BS: tl.constexpr,
                            D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                           TIER: tl.constexpr, LCM: tl.constexpr, LEV: tl.constexpr, SCM: tl.constexpr):
+                           TIER: tl.constexpr, LCM: tl.constexpr, LEV: tl.constexpr, SCM: tl.constexpr,
+                           HAS_COUNT: tl.constexpr):
         # A grid of `programs` CTAs, each looping over groups of C copies: group pid, pid + programs, ... The
         # C copies' K and V tiles are all loaded before any is stored, so a CTA keeps 2 C tiles of reads in
         # flight: a PCIe read stalls its CTA for microseconds, and a CTA with one copy in flight spends most of
@@ -166,6 +167,9 @@ def _kernels():
         r = tl.arange(0, ROWS)
         d = tl.arange(0, D_PAD)
         g = tl.program_id(0)
+        if HAS_COUNT:  # a compacted plan: only its first COUNT entries are copies (read on the device)
+            n = tl.minimum(tl.load(COUNT).to(tl.int32), n)
+            groups = (n + C - 1) // C
         while g < groups:  # groups = cdiv(n, C) (a while loop: Triton's interpreter cannot run a range loop
             i = g * C + c  # over runtime scalars)
             g += programs
@@ -249,7 +253,7 @@ def _host_ptrs(host_k, host_v, device_side):
 
 
 def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, copies=GATHER_COPIES,
-                   tier: PoolTier | None = None, hint: str = ""):
+                   tier: PoolTier | None = None, hint: str = "", count: torch.Tensor | None = None):
     K = _kernels()
     _, BS, H, D = host_k.shape
     if host_k.stride() != host_v.stride() or dev_k.stride() != dev_v.stride():
@@ -267,11 +271,12 @@ def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, c
     hk, hv = _host_ptrs(host_k, host_v, dev_k)
     tk, tv = (tier.k, tier.v) if tier is not None else (hk, hv)
     with on_device(dev_k):
-        K.gather[(grid,)](hk, hv, tk, tv, dev_k, dev_v, src, dst, heads, n, groups, grid, tier.first if tier else 0,
+        K.gather[(grid,)](hk, hv, tk, tv, dev_k, dev_v, src, dst, heads, count if count is not None else src, n, groups,
+                          grid, tier.first if tier else 0,
                           host_k.stride(0), host_k.stride(1), host_k.stride(2),
                           dev_k.stride(0), dev_k.stride(1), dev_k.stride(2), BS,
                           D=D, D_PAD=D_PAD, ROWS=rows, C=C, TIER=tier is not None, LCM=lcm, LEV=lev, SCM=scm,
-                          num_warps=4 if C == 1 else 8)
+                          HAS_COUNT=count is not None, num_warps=4 if C == 1 else 8)
 
 
 # --------------------------------------------------------------------------------------
@@ -354,7 +359,8 @@ def _gather_parts(host_k, host_v, dev_k, dev_v, src_blocks, dst_blocks, heads, t
 def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
                dev_v: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor,
                heads: torch.Tensor, *, backend: str = "auto", programs: int = GATHER_CTAS,
-               copies: int = GATHER_COPIES, tier: PoolTier | None = None, hint: str = "") -> str:
+               copies: int = GATHER_COPIES, tier: PoolTier | None = None, hint: str = "",
+               count: torch.Tensor | None = None) -> str:
     """Copy the listed (block, head) slices host -> device in one kernel launch (a tiered pool too, with Triton).
 
     ``backend``: ``"auto"`` (Triton, else the CUDA C kernel; the reference when
@@ -364,6 +370,9 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
     how many copies each of them has in flight at once (a power of two; 1 with one CTA per copy). The CUDA C
     kernel and the reference take a tiered pool one part at a time. ``hint``: a key of
     ``oasiskv_runtime.config.GATHER_HINTS`` (the Triton kernel's cache hints; the other backends ignore it).
+    ``count``: a 0-d int tensor on the device, the number of leading entries that are copies (a compacted plan,
+    :func:`oasiskv_runtime.ops.select_plan.select_plan` with ``row_cap``): the Triton kernel reads it and walks
+    only those; the other backends walk every entry, so the entries past it must be ``src = -1`` too.
     Returns the backend used.
     """
     if hint not in GATHER_HINTS:
@@ -391,7 +400,7 @@ def uva_gather(host_k: torch.Tensor, host_v: torch.Tensor, dev_k: torch.Tensor,
             if be == "triton":
                 if backend == "auto" and not _triton_available():
                     continue
-                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n, programs, copies, tier, hint)
+                _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, hd, n, programs, copies, tier, hint, count)
             elif tier is not None:
                 return _gather_parts(host_k, host_v, dev_k, dev_v, src, dst, hd, tier, "cuda")
             else:

@@ -103,10 +103,12 @@ class TransferEngine:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def copy(self, layer: int, src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor, *, ctas: int, copies: int,
-             hint: str = "") -> None:
-        """One gather of a layer's copies on the current stream (``-1`` entries skipped)."""
+             hint: str = "", count: torch.Tensor | None = None) -> None:
+        """One gather of a layer's copies on the current stream (``-1`` entries skipped; ``count``: a compacted
+        plan's number of copies, read on the device)."""
         uva_gather(self.pool.k[layer], self.pool.v[layer], self.dev.k[layer], self.dev.v[layer], src, dst, heads,
-                   backend=self.backend, programs=ctas, copies=copies, hint=hint, tier=self.pool.tier(layer))
+                   backend=self.backend, programs=ctas, copies=copies, hint=hint, tier=self.pool.tier(layer),
+                   count=count)
 
     def mark(self, layer: int, stream: torch.cuda.Stream | None) -> None:
         """Layer ``layer``'s copies so far were issued on ``stream``: the next step's layer waits for this point."""
