@@ -8,7 +8,10 @@ Per (request, KV head) row of a layer, given the predicted top-K blocks of the n
    are rewritten in place.
 2. The fixed-size transfer plan: ``c = max(1, min(K, C))`` entries per row, the admitted copies first
    (``src`` = the block's id in the primary pool, ``dst`` = the device block of the slot, ``head``), unused
-   entries ``src = dst = -1``, so the UVA gather needs no host round trip to compact them.
+   entries ``src = dst = -1``, so the UVA gather needs no host round trip to compact them. With per-request caps
+   (``row_cap``: ``early_fetch_ratio``) the plan is as wide as the largest cap and compacted on the device instead:
+   each row reserves its copies' range with an atomic add on a count the gather reads, so the gather walks the
+   copies only, not every row's padding.
 3. Device counters: admitted copies per layer (or into the initial-fill counter), deferred blocks per
    layer, admitted copies per request.
 
@@ -66,7 +69,6 @@ def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.
                     count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-PyTorch reference of :func:`select_plan` (same arguments and results)."""
     n, h, k = _check(slot_map, last_sel, rows, pred, cap, row_cap, count)
-    plan_count = count
     caps = cap if row_cap is None else row_cap.long().clamp(0, cap).repeat_interleave(h)
     plan = select_rows(slot_map, last_sel, rows, pred, caps, step)
     new_map = plan.new_slot_blocks.view(n, h, k)
@@ -78,17 +80,17 @@ def select_plan_ref(slot_map: torch.Tensor, last_sel: torch.Tensor, rows: torch.
     hidx = torch.arange(h, device=idx.device)[None, :, None].expand_as(idx)
     src = torch.where(valid, primary_table[bidx, logical], torch.full_like(logical, -1))
     dst = torch.where(valid, slot_blocks[bidx, idx], torch.full_like(logical, -1))
-    count = valid.sum((1, 2))
-    fetched += count.sum()
+    per_row = valid.sum((1, 2))
+    fetched += per_row.sum()
     if deferred is not None:
         deferred += plan.num_deferred.sum()
     if req_fetched is not None:
-        req_fetched.index_add_(0, rows, count)
+        req_fetched.index_add_(0, rows, per_row)
     src, dst, hidx = src.flatten(), dst.flatten(), hidx.flatten()
     if row_cap is None:
         return src, dst, hidx
     order = torch.argsort((~valid).flatten().to(torch.int8), stable=True)  # the copies first, in row order
-    plan_count.copy_(valid.sum())
+    count.copy_(valid.sum())
     return src[order], dst[order], hidx[order]
 
 
