@@ -294,8 +294,9 @@ class SparseConfig:
     early_fetch_ratio: float = _opt(
         0.0, "proxy-prefetch / oasiskv: a request's first early_steps decode steps after its prefill admit up to "
         "ceil(early_fetch_ratio * top_k_blocks) blocks per KV head instead of fetch_ratio's cap, so its working set "
-        "can turn over from the fill to what the decode attends (0: off). Off by default: on SmolLM2, with attended_share "
-        "and fill_window, 1.0 gains 3.3 / 5.0 points at 1/8 (2K / 4K) but 0.25 loses 2.5 at 1/4 of 2K (docs/accuracy.md).",
+        "can turn over from the fill to what the decode attends (0: off). Off by default: on SmolLM2, with "
+        "attended_share and fill_window, 1.0 gains 3.3 / 5.0 points at 1/8 (2K / 4K) but 0.25 loses 2.5 at 1/4 of 2K "
+        "(docs/accuracy.md).",
         "a number in [0, 1] (0: off)", lambda v: _num(v) and 0.0 <= v <= 1.0)
     early_steps: int = _opt(16, "How many of a request's first decode steps get early_fetch_ratio's cap.",
                             "a positive integer", lambda v: _int(v) and v > 0)

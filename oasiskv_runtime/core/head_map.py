@@ -80,6 +80,16 @@ class HeadMap:
         stamped), on the device (no host read: CUDA graphs capture it)."""
         return step - self.start[rows]
 
+    def prefetch_caps(self, batch, step_cap: int, early_cap: int,
+                      early_steps: int) -> tuple[int, torch.Tensor | None]:
+        """A prefetch's cap for ``batch`` (a ``DecodeBatch``), and with ``early_fetch_ratio`` (``early_cap`` over
+        ``step_cap``) each request's: ``early_cap`` in its first ``early_steps`` decode steps, ``step_cap`` after;
+        made on the device once per step (a front end's caps, whichever builds the batch)."""
+        if early_cap <= step_cap:
+            return step_cap, None
+        return early_cap, batch.derived("early_caps", lambda: torch.where(
+            self.since_start(batch.state_rows, batch.step) <= early_steps, early_cap, step_cap))
+
     def clear(self, layer: int, rows: torch.Tensor) -> None:
         """Empty one layer's map rows of ``rows`` ([n] on the map's device) before they are filled again."""
         # index_fill_, not `[rows, layer] = -1`: that assignment copies the -1 up as a pageable 0-dim tensor, a host

@@ -54,8 +54,8 @@ class LookaheadPipeline:
               row_cap: torch.Tensor | None = None) -> None:
         """Algorithm 2 on every (request, KV head) row of this layer (``cap`` admissions per row, the per-head map
         rewritten in place) and a fixed-size copy plan, in one launch (:func:`select_plan`: no host round trip to
-        compact it; with ``row_cap`` compacted on the device), then one gather of the admitted blocks; on ``stream`` when given (ordered after the plan),
-        where the layer's event is recorded. ``initial``: the working set's first fill, ``demand``: a prefetching
+        compact it; with ``row_cap`` compacted on the device), then one gather of the admitted blocks; on
+        ``stream`` when given (ordered after the plan), where the layer's event is recorded. ``initial``: the working set's first fill, ``demand``: a prefetching
         mode's misses fetched on demand (``demand_fetch``); both counted apart. ``row_cap``: ``[B]`` each request's
         own cap, at most ``cap`` (``early_fetch_ratio``)."""
         c = self.transfer.counters

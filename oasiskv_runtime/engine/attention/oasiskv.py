@@ -234,7 +234,8 @@ class OasisKVAttention:
         if b is not None and not dense_layer:
             self._sparse_decode(layer, b, q, k, v, out)
         if b is not None and self.mode.prefetches:
-            self.pipeline.prefetch(layer, b, q[b.pred_rows()], *self._prefetch_caps(b))
+            self.pipeline.prefetch(layer, b, q[b.pred_rows()], *self.head_map.prefetch_caps(
+                b, self.step_cap, self.sparse.early_cap, self.sparse.early_steps))
         if step.fill is not None:
             self.io.wait(self.io.write_event)  # the chunk's rows must be in the pool before the first fill reads them
             self.pipeline.fill(layer, step.fill, q[step.fill.q_rows],
@@ -242,16 +243,6 @@ class OasisKVAttention:
                                            step.fill.max_next_candidates) if fill_mass else None)
             self.context.copy_tails(layer, step.fill_tails, device_path)
         return out
-
-    def _prefetch_caps(self, b: DecodeBatch) -> tuple[int, torch.Tensor | None]:
-        """The prefetch's cap this step, and with ``early_fetch_ratio`` each request's: ``early_cap`` for a request
-        in its first ``early_steps`` decode steps, the step's cap after (made on the device once per step)."""
-        early = self.sparse.early_cap
-        if early <= self.step_cap:
-            return self.step_cap, None
-        n = self.sparse.early_steps
-        return early, b.derived("early_caps", lambda: torch.where(
-            self.head_map.since_start(b.state_rows, b.step) <= n, early, self.step_cap))
 
     def _end_of_prefill(self, layer: int, s: SeqSlice, q: torch.Tensor, ks: torch.Tensor, seed: bool,
                         fills: bool) -> torch.Tensor | None:
