@@ -30,14 +30,13 @@ def test_early_cap_is_the_fetch_cap_of_its_ratio():
 
 
 def _record_caps(monkeypatch):
-    """Every prefetch's (step, seq_ids, cap, row caps) at layer 0."""
+    """Every prefetch's (seq_ids, cap, row caps) at layer 0."""
     seen = []
     real = LookaheadPipeline.prefetch
 
     def prefetch(self, layer, batch, pred_q, cap, row_cap=None):
         if layer == 0:
-            seen.append((batch.step if isinstance(batch.step, int) else int(batch.step), list(batch.seq_ids), cap,
-                         None if row_cap is None else row_cap.tolist()))
+            seen.append((list(batch.seq_ids), cap, None if row_cap is None else row_cap.tolist()))
         real(self, layer, batch, pred_q, cap, row_cap)
 
     monkeypatch.setattr(LookaheadPipeline, "prefetch", prefetch)
@@ -61,7 +60,7 @@ def test_a_requests_first_decode_steps_get_the_early_cap(tiny, monkeypatch, mode
         eng.step()
     decoded: dict[int, int] = {}
     both = set()
-    for _, seq_ids, cap, caps in seen:
+    for seq_ids, cap, caps in seen:
         assert cap == 4 and caps is not None
         for sid, c in zip(seq_ids, caps):
             decoded[sid] = decoded.get(sid, 0) + 1
@@ -77,7 +76,7 @@ def test_without_the_option_the_prefetch_has_one_cap(tiny, monkeypatch):  # noqa
         seen.clear()
         LLM(tiny, mode="oasiskv", top_k_blocks=8, block_size=4, fetch_ratio=0.25, draft="ngram", **extra).generate(
             STUDY_PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-        assert seen and all(cap == 2 and caps is None for _, _, cap, caps in seen)
+        assert seen and all(cap == 2 and caps is None for _, cap, caps in seen)
 
 
 @pytest.mark.slow

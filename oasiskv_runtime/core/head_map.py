@@ -68,12 +68,10 @@ class HeadMap:
         self.free_rows.append(row)
         return row
 
-    def stamp_start(self, rows: torch.Tensor, step: int | torch.Tensor) -> None:
-        """Rows ``rows`` start their decode steps after step ``step`` (their working sets are filled in it)."""
-        if isinstance(step, torch.Tensor):
-            self.start.index_put_((rows,), step.to(self.start.device, torch.long).expand(rows.shape))
-        else:
-            self.start.index_fill_(0, rows, step)
+    def stamp_start(self, rows: torch.Tensor, step: int) -> None:
+        """Rows ``rows`` start their decode steps after step ``step`` (their working sets are filled in it; a fill
+        step runs eagerly, so its stamp is a host int on both front ends)."""
+        self.start.index_fill_(0, rows, step)
 
     def since_start(self, rows: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
         """``[n]``: steps since rows ``rows`` were filled (1 at the first decode step; huge for a row never
