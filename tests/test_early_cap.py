@@ -29,6 +29,40 @@ def test_early_cap_is_the_fetch_cap_of_its_ratio():
     assert SparseConfig(top_k_blocks=16, early_fetch_ratio=1.0).early_cap == 16
 
 
+def test_early_fetch_ratio_on_vllm_is_for_the_host_pool_modes(tmp_path):
+    """The vLLM front end takes the option in its host-pool modes (the same core caps: ``HeadMap.prefetch_caps``;
+    tested without vLLM in test_vllm_plugin.py), from ``engine_args`` down to the accuracy runner's ``--set`` and
+    ``--sweep``; sparse-resident fetches nothing and refuses it by name."""
+    from oasisbench.runners.accuracy import AccuracyConfig, _vllm_plan
+    from oasisbench.runners.vllm_point import plan_vllm_point
+    from oasiskv_runtime.vllm.options import VllmOptions
+
+    for mode in ("proxy-prefetch", "oasiskv"):
+        opts = VllmOptions(mode=mode, top_k_blocks=16, early_fetch_ratio=0.5, early_steps=4)
+        assert (opts.sparse.early_cap, opts.sparse.early_steps, opts.sparse.fetch_cap) == (8, 4, 1)
+        assert VllmOptions.from_dict(opts.to_dict()) == opts  # what additional_config carries to the workers
+    assert VllmOptions(mode="oasiskv").sparse.early_cap == 0  # off by default
+    with pytest.raises(ValueError, match="early_fetch_ratio is for the host-pool modes"):
+        VllmOptions(mode="sparse-resident", early_fetch_ratio=0.5)
+    for bad in ({"early_fetch_ratio": 1.5}, {"early_steps": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            VllmOptions(mode="oasiskv", **bad)
+    cfg = AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "proxy-prefetch", "oasiskv"), engine="vllm",
+                         output_dir=tmp_path, options=(("early_steps", 8),),
+                         sweep=("early_fetch_ratio", ("0.25", "1.0")))
+    plans = [(mode, setting, _vllm_plan(cfg, mode, setting)) for mode, setting in cfg.settings()]
+    assert plans[0][0] == "dense" and plans[0][2].plugin is None
+    assert [(m, p.plugin["early_fetch_ratio"], p.plugin["early_steps"]) for m, _, p in plans[1:]] == [
+        ("proxy-prefetch", 0.25, 8), ("proxy-prefetch", 1.0, 8), ("oasiskv", 0.25, 8), ("oasiskv", 1.0, 8)]
+    point = {"model": "smollm2-135m-random", "mode": "oasiskv", "device": "cpu", "dtype": "float32", "seed": 0,
+             "context_len": 512, "concurrency": 2, "max_num_batched_tokens": 256, "draft": "auto",
+             "early_fetch_ratio": 0.5}
+    assert plan_vllm_point(point).plugin["early_fetch_ratio"] == 0.5  # a throughput point: no longer refused
+    with pytest.raises(ValueError, match="early_fetch_ratio"):
+        AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "sparse-resident"), engine="vllm",
+                       output_dir=tmp_path, options=(("early_fetch_ratio", 0.5),))
+
+
 def _record_caps(monkeypatch):
     """Every prefetch's (seq_ids, cap, row caps) at layer 0."""
     seen = []

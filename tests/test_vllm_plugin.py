@@ -649,6 +649,90 @@ def test_host_pool_fill_reads_the_prompts_exact_attention(device, window, attend
     assert rt.run_stats()["fills"] == 2
 
 
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("replayed", [False, True])
+def test_host_pool_early_caps_follow_each_requests_fill(replayed, early, monkeypatch):
+    """No vLLM: a host-pool runtime (oasiskv, K = 4, fetch_ratio 0.25: cap 1; ``early``: early_fetch_ratio 0.75, cap
+    3, for early_steps 2) fills r0, then r1 two steps later in a step where r0 decodes. At every prefetch a request
+    in its first two decode steps after its fill has the early cap and the others the fixed one, made on the device
+    from the step stamp (``replayed``: decode-only steps take the full-graph path, stamped with ``step_t`` written by
+    ``replay_step``) against the stamp its fill left; no step fetches beyond its caps, and none counts as over the
+    cap though some fetch more than the fixed cap allows. Without the option the prefetch has the one fixed cap."""
+    from oasiskv_runtime.core.pipeline import LookaheadPipeline
+    from oasiskv_runtime.vllm import host_pool
+    from oasiskv_runtime.vllm.host_pool import HostPoolRuntime
+    from oasiskv_runtime.vllm.requests import StepEvents
+
+    torch.manual_seed(2)
+    layers, hq, hkv, d, nb, K = 2, 4, 2, 16, 48, 4
+    opts = VllmOptions(mode="oasiskv", top_k_blocks=K, fetch_ratio=0.25, cuda_graphs="full",
+                       **(dict(early_fetch_ratio=0.75, early_steps=2) if early else {}))
+    rt = HostPoolRuntime(opts, layers, hkv, d, nb, torch.float32, torch.device("cpu"), 3, d ** -0.5, 12 * BS)
+    rt.full_graphs = True
+    caches = [(torch.randn(nb, BS, hkv, d), torch.randn(nb, BS, hkv, d)) for _ in range(layers)]
+    tables = (torch.randperm(nb - 1)[:2 * 12] + 1).view(2, 12).int()
+    seen = []  # per prefetch at layer 0: {request: its cap}
+    real = LookaheadPipeline.prefetch
+
+    def prefetch(self, layer, batch, pred_q, cap, row_cap=None):
+        if layer == 0:
+            names = {row: r for r, row in rt.head_map.rows.items()}
+            caps = [cap] * len(batch.seq_ids) if row_cap is None else row_cap.tolist()
+            assert (cap, row_cap is None) == ((3, False) if early else (1, True))  # a plan as wide as the early cap
+            seen.append({names[int(row)]: c for row, c in zip(batch.state_rows, caps)})
+        real(self, layer, batch, pred_q, cap, row_cap)
+
+    monkeypatch.setattr(LookaheadPipeline, "prefetch", prefetch)
+    fetched = []  # blocks each decode step fetched, and at most how many its caps allow
+
+    def step(reqs, query_lens, seq_lens, num_decodes, events):
+        table = tables[reqs]
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+        pos = torch.cat([torch.arange(s - m, s) for m, s in zip(query_lens, seq_lens)])
+        req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        slots = table[req, pos // BS].long() * BS + pos % BS
+        seqs = torch.tensor(seq_lens, dtype=torch.int32)
+        common = {"query_start_loc": qsl, "seq_lens": seqs, "block_table": table, "slot_mapping": slots,
+                  "num_tokens": len(slots), "max_seq_len": max(seq_lens)}
+        plan = plan_step(qsl, qsl, seqs, seqs, table, num_decodes, max(seq_lens), BS)
+        replay = replayed and num_decodes == len(reqs) and not events.start and not events.fill
+        if replay:  # the connector's host part, then what a capture records (a replay runs those ops)
+            rt.replay_step(events, num_decodes)
+            monkeypatch.setattr(host_pool, "capturing", lambda: True)
+        before, n_seen = int(rt.transfer.counters.fetched.sum()), len(seen)
+        rt.begin_step(plan, None if replay else events, common)
+        for layer in range(layers):
+            q, k, v = (torch.randn(len(slots), h, d) for h in (hq, hkv, hkv))
+            caches[layer][0].view(-1, hkv, d)[slots] = k  # what vLLM writes before the layer runs
+            caches[layer][1].view(-1, hkv, d)[slots] = v
+            rt.write(layer, k, v, caches[layer][0])
+            if num_decodes:
+                rt.decode(layer, q, k, v, caches[layer][0], caches[layer][1], d ** -0.5, torch.zeros_like(q))
+            rt.after_attention(layer, q, caches[layer][0], caches[layer][1], d ** -0.5)
+        monkeypatch.setattr(host_pool, "capturing", lambda: False)
+        assert rt.cur.captured == replay
+        if num_decodes:
+            assert len(seen) == n_seen + 1
+            fetched.append((int(rt.transfer.counters.fetched.sum()) - before,
+                            sum(seen[-1].values()) * hkv * layers))
+
+    first = {"r0": int(tables[0, 0]), "r1": int(tables[1, 0])}
+    step([0], [100], [100], 0, StepEvents(start=[("r0", first["r0"])], fill=["r0"]))  # r0 filled
+    step([0], [1], [101], 1, StepEvents())
+    step([0, 1], [1, 70], [102, 70], 1, StepEvents(start=[("r1", first["r1"])], fill=["r1"]))  # r1 filled
+    n = 102
+    for _ in range(3):
+        n += 1
+        step([0, 1], [1, 1], [n, 71 + n - 103], 2, StepEvents())
+    hi = 3 if early else 1
+    assert seen == [{"r0": hi}, {"r0": hi}, {"r0": 1, "r1": hi}, {"r0": 1, "r1": hi}, {"r0": 1, "r1": 1}]
+    assert all(0 <= got <= most for got, most in fetched)
+    st = rt.run_stats()
+    assert st["max_step_bytes_over_cap"] == 0 and st["replayed_steps"] == (4 if replayed else 0)
+    cap_blocks = hkv * layers * 1  # the fixed cap's bound for one request
+    assert any(got > cap_blocks * len(seen[i]) for i, (got, _) in enumerate(fetched)) == early
+
+
 def test_options_and_version_errors():
     assert VllmOptions().mode == "sparse-resident" and VllmOptions(mode="dense").enabled is False
     ok = VllmOptions(top_k_blocks=4, sink_blocks=1, recent_blocks=2, selection_score="minmax_mass")
@@ -1166,12 +1250,13 @@ _HOST_STEPS = [
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
-@pytest.mark.parametrize("mode, top_k, graphs, attended, fill", [
-    ("oasiskv", 16, False, 0, 0), ("proxy-prefetch", 16, False, 0, 0), ("oasiskv", 2, False, 0, 0),
-    ("proxy-prefetch", 2, False, 0, 0), ("oasiskv", 2, True, 0, 0), ("proxy-prefetch", 16, True, 0, 0),
-    ("oasiskv", 3, False, 1, 8), ("oasiskv", 16, True, 4, 0), ("proxy-prefetch", 2, True, 0, 8)])
+@pytest.mark.parametrize("mode, top_k, graphs, attended, fill, early", [
+    ("oasiskv", 16, False, 0, 0, 0), ("proxy-prefetch", 16, False, 0, 0, 0), ("oasiskv", 2, False, 0, 0, 0),
+    ("proxy-prefetch", 2, False, 0, 0, 0), ("oasiskv", 2, True, 0, 0, 0), ("proxy-prefetch", 16, True, 0, 0, 0),
+    ("oasiskv", 3, False, 1, 8, 0), ("oasiskv", 16, True, 4, 0, 0), ("proxy-prefetch", 2, True, 0, 8, 0),
+    ("oasiskv", 4, True, 0, 0, 1.0), ("proxy-prefetch", 4, False, 0, 0, 1.0)])
 def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k, graphs,
-                                                                 attended, fill):
+                                                                 attended, fill, early):
     """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
     given by hand. Every prefill row equals causal attention (vLLM's kernel); a decode row attends exactly what its
     working set holds: with top-K covering the context, that is causal attention (exact); with top-K 2, the blocks
@@ -1184,13 +1269,16 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
     capture path (what a capture records; a replay runs those ops again on new values) on vLLM's padded batch (a
     padding request appended). Same references, same checks (no recall: it needs the host). ``attended``: with
     attention feedback (``attended_blocks``) and a fill by the prompt's exact attention (``fill``: ``fill_window``,
-    its keys read from vLLM's cache layout) the same holds: they change only what the predictions choose."""
+    its keys read from vLLM's cache layout) the same holds: they change only what the predictions choose.
+    ``early``: early_fetch_ratio (cap 4 for a request's first 3 steps after its fill, the fixed cap 2 after): the
+    same, the caps' bound held."""
     from oasiskv_runtime.vllm import connector, host_pool
     from oasiskv_runtime.vllm.requests import StepEvents
 
     torch.manual_seed(0)
     step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=not graphs,
-                 cuda_graphs="full" if graphs else "off", attended_blocks=attended, fill_window=fill)
+                 cuda_graphs="full" if graphs else "off", attended_blocks=attended, fill_window=fill,
+                 early_fetch_ratio=early, early_steps=3)
     step.builder.full_graphs = graphs  # the builder's static plans (CUDA only in an engine)
     replays = 0
     nb = 40
@@ -1478,6 +1566,26 @@ def test_host_pool_modes_covering_topk_equal_plain_vllm(engines, arch, mode):
             "deferred_blocks_per_step", "prediction_recall", "gap_rows", "fallback_steps", "steps")
     print(f"\n{arch} {mode}: {({k: host[k] for k in keys})}, acceptance {acc}, long-prompt token agreement at "
           f"top-K {TOP_K}: {long_agree}")
+
+
+@pytest.mark.vllm
+def test_an_early_cap_over_every_step_is_that_fixed_cap_on_vllm(engines):
+    """early_fetch_ratio r for more steps than any request decodes selects exactly what fetch_ratio r does (the
+    embedded engine's test_an_early_cap_over_every_step_is_that_fixed_cap): one engine (oasiskv, top-K 6,
+    fetch_ratio 0.05: cap 1, early_fetch_ratio 0.5: cap 3 for 100 steps) generates, then again with fetch_ratio 0.5
+    (``configure``: cap 3, the early cap no larger, so off): the same tokens and traffic, no step over its cap."""
+    from oasiskv_runtime.vllm import engine_args
+
+    early, fixed = _run_engine(engines.model_dir("llama"), runs=(None, {"fetch_ratio": 0.5}),
+                               **engine_args(mode="oasiskv", top_k_blocks=TOP_K, fetch_ratio=0.05, draft="ngram",
+                                             early_fetch_ratio=0.5, early_steps=100))
+    assert early["tokens"] == fixed["tokens"] and all(len(t) == MAX_TOKENS for t in early["tokens"])
+    a, b = early["stats"]["oasiskv"], fixed["stats"]["oasiskv"]
+    assert (a["fetch_cap"], b["fetch_cap"]) == (1, 3) and a["steps"] == b["steps"]
+    for key in ("fetched_bytes_per_step", "max_fetched_bytes_per_step", "deferred_blocks_per_step"):
+        assert a[key] == b[key], key
+    assert a["fetched_bytes_per_step"] > 0 and a["max_step_bytes_over_cap"] == 0 == b["max_step_bytes_over_cap"]
+    assert a["max_step_cap_bytes"] == b["max_step_cap_bytes"]  # the bound: the larger cap for every request
 
 
 @pytest.mark.vllm

@@ -87,7 +87,7 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                 platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest",
                 cuda_graphs: str = "auto", admission: str = "auto", host_pool_gb: float | str = "auto",
                 device_tier_gb: float = 0.0, attended_blocks: int = 0, attended_share: float = 0.0,
-                fill_window: int = 0) -> dict[str, Any]:
+                fill_window: int = 0, early_fetch_ratio: float = 0.0, early_steps: int = 16) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -111,7 +111,9 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     attention weighed most that the next prediction keeps (``VllmOptions.attended_blocks``; ``attended_share``: the
     same as a share of ``top_k_blocks``); 0: none. ``fill_window``
     (host-pool modes): the prompt's last rows whose exact attention fills a working set (``VllmOptions.fill_window``);
-    0: a prediction from the last prompt token's query.
+    0: a prediction from the last prompt token's query. ``early_fetch_ratio`` (host-pool modes): the cap of a
+    request's first ``early_steps`` decode steps, as a share of ``top_k_blocks`` (``VllmOptions.early_fetch_ratio``);
+    0: ``fetch_ratio``'s cap at every step.
     ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
@@ -127,7 +129,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                        sink_blocks=sink_blocks, backend=backend, measure_recall=measure_recall,
                        recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs,
                        admission=admission, host_pool_gb=host_pool_gb, device_tier_gb=device_tier_gb,
-                       attended_blocks=attended_blocks, attended_share=attended_share, fill_window=fill_window)
+                       attended_blocks=attended_blocks, attended_share=attended_share, fill_window=fill_window,
+                       early_fetch_ratio=early_fetch_ratio, early_steps=early_steps)
     parsed = opts.parsed_mode
     out: dict[str, Any] = {}
     spec = speculative_config(draft)

@@ -24,8 +24,9 @@ Where things live:
 Per step and layer (``OasisKVImplMixin.forward``): pool write; ``pipeline.wait(layer)``; the step's token and draft
 rows into the local slots; summaries; vLLM's own attention for prefill rows; ONE sparse attention call over the
 working set for each decode request's ``[token, draft]``; ``pipeline.prefetch`` from the draft row's query
-(oasiskv) or the token's (proxy-prefetch), at most ``fetch_cap`` admissions per request and KV head; for requests
-whose prefill completes, ``pipeline.fill`` and their prompt tail into the local slot.
+(oasiskv) or the token's (proxy-prefetch), at most ``fetch_cap`` admissions per request and KV head (with
+``early_fetch_ratio``, ``early_cap`` in a request's first ``early_steps`` decode steps); for requests whose prefill
+completes, ``pipeline.fill`` and their prompt tail into the local slot.
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ class HostPoolRuntime:
                                           DebugConfig(measure_recall=opts.measure_recall))
         self.cap = opts.sparse.fetch_cap
         """Admissions per (request, KV head) and layer per step."""
+        self.early_cap, self.early_steps = opts.sparse.early_cap, opts.early_steps
+        """``early_fetch_ratio``: the cap of a request's first ``early_steps`` decode steps after its fill (0: off;
+        in effect only where it exceeds :attr:`cap`: ``HeadMap.prefetch_caps``)."""
         self._row_blocks = torch.arange(self.blocks_per_row, device=device)
         self.row_of_block = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
         """Physical block -> state row of the running request whose first block it is (-1: none)."""
@@ -196,6 +200,8 @@ class HostPoolRuntime:
     # ---- options changed on a running engine (A/B runs: llm.apply_model(configure)) -----------------------------
     def configure(self, mode: str | None = None, fetch_ratio: float | None = None,
                   measure_recall: bool | None = None) -> None:
+        """``fetch_ratio`` sets the fixed cap; ``early_fetch_ratio``'s cap stays the option's, in effect while it
+        exceeds the new one (``HeadMap.prefetch_caps`` compares them at every prefetch)."""
         if self.full_graphs and (mode is not None or fetch_ratio is not None):
             raise ValueError("with full CUDA graphs (cuda_graphs 'auto' / 'full' on CUDA) the predicting row and the "
                              "fetch cap are recorded in vLLM's captured graphs: start an engine per setting, or "
@@ -293,8 +299,10 @@ class HostPoolRuntime:
 
     @property
     def _cap_per_request(self) -> int:
-        """Blocks one decode request may fetch per step: the cap per KV head and layer, for every head and layer."""
-        return self.head_map.slot_map.shape[2] * self.num_layers * self.cap
+        """Blocks one decode request may fetch per step: the cap per KV head and layer, for every head and layer.
+        With ``early_fetch_ratio`` the larger of the fixed and the early cap for every request (a bound: whether a
+        request is in its first ``early_steps`` is known on the device only)."""
+        return self.head_map.slot_map.shape[2] * self.num_layers * max(self.cap, self.early_cap)
 
     def replay_step(self, events: StepEvents | None, num_decodes: int) -> None:
         """Before vLLM replays a captured step (from the KV connector's ``start_load_kv``): the host part the replay
@@ -458,7 +466,8 @@ class HostPoolRuntime:
         if d is not None:
             core = d.batch
             rows = core.pred_rows() if self.mode is Mode.OASISKV else core.q_rows
-            self.pipeline.prefetch(layer, core, query[rows], self.cap)
+            self.pipeline.prefetch(layer, core, query[rows], *self.head_map.prefetch_caps(
+                core, self.cap, self.early_cap, self.early_steps))
         f = st.fill
         if self.windows is not None and st.prefill_spans:  # the last rows of chunks that do not complete a prompt
             done = set(f.batch.seq_ids) if f is not None else set()

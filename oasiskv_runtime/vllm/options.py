@@ -54,6 +54,13 @@ class VllmOptions:
     """Host-pool modes: when a prefill completes, fill the working set with the top-K blocks by the exact attention
     mass of the prompt's last N rows (read from vLLM's paged cache; one host sync on such a step), as the embedded
     engine's option does."""
+    early_fetch_ratio: float = _default("early_fetch_ratio")
+    """Host-pool modes: a request's first ``early_steps`` decode steps after its prefill admit up to
+    ``ceil(early_fetch_ratio * top_k_blocks)`` blocks per KV head and layer instead of ``fetch_ratio``'s cap (the
+    embedded engine's option, the same core caps: ``HeadMap.prefetch_caps``; 0: off). Sparse-resident fetches
+    nothing and refuses it."""
+    early_steps: int = _default("early_steps")
+    """How many of a request's first decode steps get ``early_fetch_ratio``'s cap (the embedded engine's option)."""
     selection_score: str = _default("selection_score")
     """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` and ``gauss`` are
     embedded-engine study settings)."""
@@ -119,16 +126,21 @@ class VllmOptions:
         if self.fill_window and self.parsed_mode is Mode.SPARSE_RESIDENT:
             raise ValueError(f"fill_window is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
                              f"{self.mode}: sparse-resident fills no working set")
+        if self.early_fetch_ratio and self.parsed_mode is Mode.SPARSE_RESIDENT:
+            raise ValueError(f"early_fetch_ratio is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
+                             f"{self.mode}: sparse-resident fetches no blocks, so it has no fetch cap")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
     @cached_property
     def sparse(self) -> SparseConfig:
-        """The embedded engine's algorithm section with these options: its checks and its ``fetch_cap``."""
+        """The embedded engine's algorithm section with these options: its checks, its ``fetch_cap`` and
+        ``early_cap``."""
         return SparseConfig(top_k_blocks=self.top_k_blocks, fetch_ratio=self.fetch_ratio, sink_blocks=self.sink_blocks,
                             recent_blocks=self.recent_blocks, selection_score=self.selection_score,
                             attended_blocks=self.attended_blocks, attended_share=self.attended_share,
-                            fill_window=self.fill_window)
+                            fill_window=self.fill_window, early_fetch_ratio=self.early_fetch_ratio,
+                            early_steps=self.early_steps)
 
     @property
     def parsed_mode(self) -> Mode:
