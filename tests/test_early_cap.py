@@ -42,7 +42,7 @@ def test_early_fetch_ratio_on_vllm_is_for_the_host_pool_modes(tmp_path):
         assert (opts.sparse.early_cap, opts.sparse.early_steps, opts.sparse.fetch_cap) == (8, 4, 1)
         assert VllmOptions.from_dict(opts.to_dict()) == opts  # what additional_config carries to the workers
     assert VllmOptions(mode="oasiskv").sparse.early_cap == 0  # off by default
-    with pytest.raises(ValueError, match="early_fetch_ratio is for the host-pool modes"):
+    with pytest.raises(ValueError, match="early_fetch_ratio needs a prefetching mode"):
         VllmOptions(mode="sparse-resident", early_fetch_ratio=0.5)
     for bad in ({"early_fetch_ratio": 1.5}, {"early_steps": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -69,7 +69,7 @@ def test_fill_window_on_vllm_is_for_the_host_pool_modes(tmp_path):
                          options=(("fill_window", 16),))
     plans = {mode: _vllm_plan(cfg, mode, setting) for mode, setting in cfg.settings()}
     assert plans["oasiskv"].plugin["fill_window"] == 16 and plans["dense"].plugin is None
-    with pytest.raises(ValueError, match="fill_window is for the host-pool modes"):
+    with pytest.raises(ValueError, match="fill_window needs a prefetching mode"):
         VllmOptions(mode="sparse-resident", fill_window=16)
     with pytest.raises(ValueError, match="fill_window"):
         AccuracyConfig(tasks=("niah_single_needle",), modes=("dense", "sparse-resident"), engine="vllm",

@@ -123,12 +123,8 @@ class VllmOptions:
             name = "attended_blocks" if self.attended_blocks else "attended_share"
             raise ValueError(f"{name} is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
                              f"{self.mode}: sparse-resident there keeps no per-request record between steps")
-        if self.fill_window and self.parsed_mode is Mode.SPARSE_RESIDENT:
-            raise ValueError(f"fill_window is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
-                             f"{self.mode}: sparse-resident fills no working set")
-        if self.early_fetch_ratio and self.parsed_mode is Mode.SPARSE_RESIDENT:
-            raise ValueError(f"early_fetch_ratio is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
-                             f"{self.mode}: sparse-resident fetches no blocks, so it has no fetch cap")
+        if self.enabled:  # the engine's per-mode rules (fill_window, early_fetch_ratio: the prefetching modes only)
+            self.sparse.check_mode(self.parsed_mode)
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
 
