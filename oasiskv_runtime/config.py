@@ -243,10 +243,10 @@ class CacheConfig:
         _validate(self)
 
 
-SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank")
+SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank", "quest_half", "quest_quarter", "max_logit")
 """What ranks candidate blocks (``SparseConfig.selection_score``)."""
 
-FULL_KEY_SCORES = ("attention", "gauss")
+FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_logit")
 """Study rankings that read every candidate block's keys at every step (the full KV must be on the device)."""
 
 
@@ -290,8 +290,11 @@ class SparseConfig:
         "gauss (the Gaussian log-mass of each block's key mean and variance, computed from every key at every step: a "
         "study of summaries the engine does not keep; sparse-resident only) or quest_rank (Quest's bound per query "
         "head, a KV head's selection shared among its query heads by each one's ranking instead of the bounds' group "
-        "max; every mode, a study setting).",
-        "quest, minmax_mass, attention, gauss or quest_rank", lambda v: v in SELECTION_SCORES)
+        "max; every mode, a study setting); quest_half / quest_quarter / max_logit (Quest's bound over 2 / 4 / "
+        "block_size runs of each block's keys, the block's best run: the ranking of summaries 2x / 4x as fine with "
+        "the same fetch unit, computed from every key at every step; a study setting, sparse-resident only).",
+        "quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter or max_logit",
+        lambda v: v in SELECTION_SCORES)
     dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
                              "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)
     early_fetch_ratio: float = _opt(

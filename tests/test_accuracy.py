@@ -333,7 +333,7 @@ def test_sweep_refusals_name_the_key_before_any_engine_runs(tiny, tmp_path):
     for extra, words in ((["--modes", "oasiskv", "--sweep", "selection_score=quest,attention"],
                           ("oasiskv[selection_score=attention]", "needs mode sparse-resident")),
                          (["--modes", "sparse-resident", "--sweep", "selection_score=exact"],
-                          ("selection_score must be quest, minmax_mass, attention, gauss or quest_rank",)),
+                          ("selection_score must be quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter or max_logit",)),
                          (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=0,8"],
                           ("recent_blocks + attended_blocks must be < top_k_blocks",)),
                          (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=1.5"], ("is not an integer",)),

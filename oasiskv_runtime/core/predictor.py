@@ -16,6 +16,9 @@ own Quest bound (:func:`quest_rank_scores`) instead of the bounds' group max; su
 ``selection_score="gauss"`` ranks by the Gaussian log-mass of each block's key mean and variance
 (:func:`gauss_mass_scores`), computed from the full keys like ``attention`` (a study of a ranking whose summaries the
 engine does not keep): sparse-resident only.
+``selection_score="quest_half"`` / ``"quest_quarter"`` / ``"max_logit"`` rank by Quest's bound over 2 / 4 / one-key
+runs of each block's keys, the block's best run (:func:`split_quest_scores`): finer summaries with the same fetch unit,
+computed from the full keys (a study): sparse-resident only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.attended import keep_blocks_
 from oasiskv_runtime.ops.attention_mass import block_attention_mass
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
+from oasiskv_runtime.ops.split_quest import SPLIT_PARTS, split_quest_scores
 from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_rank_scores, quest_scores, rank_topk
 
 
@@ -37,9 +41,9 @@ class Predictor:
         self.summaries, self.hkv, self.k_slots = summaries, num_kv_heads, k_slots
         self.sink_blocks, self.recent_blocks, self.backend = sink_blocks, recent_blocks, backend
         self.selection_score, self.keys, self.scale = selection_score, keys, scale
-        """``keys``: per layer ``[num_blocks, block_size, Hkv, D]`` (what ``primary_table`` indexes), read by
-        ``selection_score="attention"`` and ``"gauss"`` only; attention's ``scale``, read by every score but
-        ``quest``."""
+        """``keys``: per layer ``[num_blocks, block_size, Hkv, D]`` (what ``primary_table`` indexes), read by the
+        scores that read every key only (``attention``, ``gauss``, the split Quest bounds); attention's ``scale``,
+        read by ``attention``, ``gauss`` and ``minmax_mass``."""
 
     def predict(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
                 int32: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,6 +61,9 @@ class Predictor:
         elif self.selection_score == "gauss":
             scores = gauss_mass_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
                                        self.scale, max_candidates)
+        elif self.selection_score in SPLIT_PARTS:
+            scores = split_quest_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
+                                        SPLIT_PARTS[self.selection_score], max_candidates)
         elif self.selection_score == "quest_rank":
             sum_min, sum_max = self.summaries.read(layer)
             scores = quest_rank_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,

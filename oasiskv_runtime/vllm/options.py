@@ -102,8 +102,8 @@ class VllmOptions:
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
-                             f"{', '.join(VLLM_SCORES)} (attention and gauss read every key, quest_rank was measured "
-                             f"under quest: embedded-engine study settings)")
+                             f"{', '.join(VLLM_SCORES)} (attention, gauss and the split Quest bounds read every "
+                             f"key, quest_rank was measured under quest: embedded-engine study settings)")
         if self.cuda_graphs not in ("auto", "full", "off"):
             raise ValueError(f"cuda_graphs on vLLM is auto, full or off, got {self.cuda_graphs!r} (static is the "
                              f"embedded engine's CPU test layout)")

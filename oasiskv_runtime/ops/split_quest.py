@@ -1,0 +1,63 @@
+"""Quest's bound over sub-blocks of each candidate block (issue #34, a study setting).
+
+What is left of oasiskv's loss at a tight budget is the ranking (docs/accuracy.md): Quest's bound from a block's key
+min/max ranks worse than the block's true attention mass, and halving the block size (block size 8) gains 6-8 points
+for Quest, but also halves every fetch. This op asks whether the finer summaries alone carry that gain with the
+fetch unit unchanged: each block of ``block_size`` keys is split into ``parts`` runs of ``block_size / parts``
+consecutive keys, Quest's bound is taken over each run's own min/max, and the block scores the largest of its runs'
+bounds. ``parts = 1`` is Quest's score; ``parts = block_size`` is each block's largest logit (``max_t q . k_t``, no
+bound left); anything between is what summaries ``parts`` times as large would rank by.
+
+Those summaries are not among the ones the engine keeps, so the op computes them from the keys of every candidate
+block at every step: it backs ``SparseConfig.selection_score = "quest_half"`` (2 parts), ``"quest_quarter"`` (4) and
+``"max_logit"`` (``block_size``), sparse-resident only, where the whole KV is on the device. Like ``attention`` and
+``gauss`` it reads a dense attention's keys: plain PyTorch on every device, nothing read back to the host when
+``max_candidates`` is given (a CUDA graph can capture it).
+
+Per request ``b``, KV head ``h`` and candidate block ``j`` with runs ``r`` (min ``lo_r``, max ``hi_r`` per dimension)::
+
+    score_h(j) = max over the query heads i of h's group, over r, of  sum_d max(q_id * lo_rd, q_id * hi_rd)
+               = max_i max_r  (q_i+ . hi_r + q_i- . lo_r)        (q+ / q-: q's positive / negative parts)
+
+GQA: the group's maximum, as Quest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oasiskv_runtime.ops.attention_mass import candidate_blocks
+
+__all__ = ["split_quest_scores", "SPLIT_PARTS"]
+
+SPLIT_PARTS = {"quest_half": 2, "quest_quarter": 4, "max_logit": 0}
+"""``selection_score`` -> sub-blocks per block (0: one per key, ``block_size``)."""
+
+
+def split_quest_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                       num_candidates: torch.Tensor, num_kv_heads: int, parts: int,
+                       max_candidates: int | None = None) -> torch.Tensor:
+    """Quest's bound over ``parts`` equal runs of each candidate block's keys, the largest run's per block,
+    ``[B, Hkv, J]`` fp32, ``-inf`` beyond ``num_candidates``.
+
+    ``q``: ``[B, Hq, D]`` the step's query; ``k_cache``: ``[num_blocks, block_size, Hkv, D]`` one layer's keys;
+    ``block_table``: ``[B, NB]`` the cache block holding each logical block; ``parts``: a divisor of ``block_size``
+    (0: ``block_size``, one key per run); ``max_candidates``: ``J``, a host-side bound of ``num_candidates`` (read
+    from the device when None)."""
+    B, _, D = q.shape
+    hkv, bs, dev = int(num_kv_heads), k_cache.shape[1], q.device
+    parts = parts or bs
+    if parts < 1 or bs % parts:
+        raise ValueError(f"parts={parts} must divide the block size {bs}")
+    g, J, ok, blocks = candidate_blocks(q, block_table, num_candidates, hkv, max_candidates)
+    if J == 0 or B == 0:
+        return torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
+    qf = q.float().view(B, hkv, g, D)
+    out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
+    for h in range(hkv):  # one KV head at a time keeps the gathered keys [B, J, block_size, D] small
+        keys = k_cache[:, :, h][blocks].float().view(B, J, parts, bs // parts, D)
+        lo, hi = keys.amin(dim=3).view(B, J * parts, D), keys.amax(dim=3).view(B, J * parts, D)
+        qh = qf[:, h]                                                                    # [B, g, D]
+        bound = torch.bmm(qh.clamp_min(0), hi.transpose(1, 2)) + torch.bmm(qh.clamp_max(0), lo.transpose(1, 2))
+        out[:, h] = bound.view(B, g, J, parts).amax(dim=3).amax(dim=1)                   # [B, g, J*parts] -> [B, J]
+    return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))

@@ -1,0 +1,185 @@
+"""``selection_score`` = ``quest_half`` / ``quest_quarter`` / ``max_logit``: Quest's bound over runs of each block's
+keys, the block's best run (issue #34, a study setting that reads every key). The op against a brute-force loop at
+odd sizes, its two ends (one run: Quest's score from the engine's own summaries; one key per run: the block's largest
+logit), the mode and vLLM checks, and on a real forward of a tiny random model: a covering budget equals dense, and
+at a small budget the engine keeps the top-K of the same score computed independently on its keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oasiskv_runtime import LLM, SamplingParams
+from oasiskv_runtime.config import EngineConfig
+from oasiskv_runtime.ops.score_topk import quest_scores_ref
+from oasiskv_runtime.ops.split_quest import SPLIT_PARTS, split_quest_scores
+from tests.tiny_models import write_tiny
+
+PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]
+KV_GB = 0.05  # zeroing the 2 GiB CPU default would cost a second per engine
+
+
+def brute_force_split(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor, num_candidates,
+                      parts: int) -> list:
+    """Per request and KV head, per candidate block: the max over the group's query heads and the block's ``parts``
+    runs of ``sum_d max(q_d * min_d, q_d * max_d)``, min / max per dimension over the run's keys, in float64 Python.
+    Returns ``[B][Hkv]`` lists."""
+    B, Hq, D = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g, run = Hq // hkv, bs // (parts or bs)
+    out = []
+    for b in range(B):
+        per_head = []
+        for h in range(hkv):
+            scores = []
+            for j in range(int(num_candidates[b])):
+                keys = [[float(x) for x in k_cache[int(table[b, j]), t, h]] for t in range(bs)]
+                best = -math.inf
+                for r0 in range(0, bs, run):
+                    lo = [min(k[d] for k in keys[r0:r0 + run]) for d in range(D)]
+                    hi = [max(k[d] for k in keys[r0:r0 + run]) for d in range(D)]
+                    for i in range(h * g, (h + 1) * g):
+                        qi = [float(x) for x in q[b, i]]
+                        best = max(best, sum(max(qi[d] * lo[d], qi[d] * hi[d]) for d in range(D)))
+                scores.append(best)
+            per_head.append(scores)
+        out.append(per_head)
+    return out
+
+
+def _inputs(bs: int, seed: int):
+    """2 KV heads x 3 query heads (g = 3), head dim 20, a random table, odd counts and a request without candidates;
+    keys with a per-block offset and spread so the runs of one block differ."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, g, d, nb = 2, 3, 20, 40
+    num_candidates = torch.tensor([11, 0, 7], dtype=torch.int32)
+    q = torch.randn(3, hkv * g, d, generator=gen)
+    k_cache = torch.randn(nb, 1, hkv, d, generator=gen) + torch.rand(nb, 1, hkv, d, generator=gen) * 3 * torch.randn(
+        nb, bs, hkv, d, generator=gen)
+    table = torch.stack([torch.randperm(nb, generator=gen)[:14] for _ in range(3)])
+    return q, k_cache, table, num_candidates, hkv
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bs,parts,bound", [(16, 2, None), (16, 4, 13), (8, 0, None), (12, 3, 17), (4, 1, None)])
+def test_split_quest_scores_equal_brute_force(device, bs, parts, bound):
+    """``bound``: a host bound above the real counts (the static layout of CUDA graphs passes its bucket)."""
+    q, k_cache, table, num_candidates, hkv = _inputs(bs, torch.seed() % (2**31))
+    got = split_quest_scores(q.to(device), k_cache.to(device), table.to(device), num_candidates.to(device), hkv,
+                             parts, bound).cpu()
+    J = bound or 11
+    assert got.shape == (3, hkv, J) and got.dtype == torch.float32
+    want = brute_force_split(q, k_cache, table, num_candidates, parts)
+    for b in range(3):
+        nc = int(num_candidates[b])
+        for h in range(hkv):
+            torch.testing.assert_close(got[b, h, :nc], torch.tensor(want[b][h], dtype=torch.float32),
+                                       rtol=1e-5, atol=1e-4)
+            assert bool(torch.isneginf(got[b, h, nc:]).all())
+
+
+def test_one_run_is_quest_from_the_engines_summaries():
+    """``parts = 1`` ranks as Quest does from the per-block min/max rows the engine keeps (summary block ``j //
+    block_size``, row ``j % block_size``), built here from the same keys."""
+    bs = 8
+    q, k_cache, table, num_candidates, hkv = _inputs(bs, 11)
+    nb, _, _, d = k_cache.shape
+    mins, maxs = torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d)
+    summary_table = torch.arange(3 * 2).view(3, 2)                # 2 summary blocks of 8 rows per request
+    for b in range(3):
+        for j in range(14):
+            blk = k_cache[int(table[b, j])]
+            mins[int(summary_table[b, j // bs]), j % bs] = blk.amin(0)
+            maxs[int(summary_table[b, j // bs]), j % bs] = blk.amax(0)
+    want = quest_scores_ref(q, mins, maxs, summary_table, num_candidates, hkv, 11)
+    got = split_quest_scores(q, k_cache, table, num_candidates, hkv, 1, 11)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_key_per_run_is_the_blocks_largest_logit():
+    """``max_logit`` (one key per run): the bound is exact, each block scores ``max_t max_i q_i . k_t``; a block of
+    one large logit among small ones outranks a block whose keys are all moderately aligned."""
+    q, k_cache, table, num_candidates, hkv = _inputs(8, 3)
+    got = split_quest_scores(q, k_cache, table, num_candidates, hkv, SPLIT_PARTS["max_logit"], 11)
+    B, Hq, d = q.shape
+    logits = torch.einsum("bhgd,nthd->bhgnt", q.view(B, hkv, Hq // hkv, d), k_cache)     # every key of every block
+    want = logits.amax(-1).amax(2).gather(-1, table.long()[:, None, :11].expand(B, hkv, 11))
+    ok = torch.arange(11)[None, :] < num_candidates[:, None]
+    torch.testing.assert_close(got, want.masked_fill(~ok[:, None], float("-inf")), rtol=1e-5, atol=1e-5)
+
+    qq = torch.tensor([[[1.0, 0.0]]])
+    one_spike = torch.tensor([[3.0, 0.0], [0.0, 5.0]])               # logits 3, 0
+    aligned = torch.tensor([[2.0, 1.0], [2.0, -1.0]])                # logits 2, 2
+    cache = torch.stack([one_spike, aligned]).view(2, 2, 1, 2)
+    s = split_quest_scores(qq, cache, torch.tensor([[0, 1]]), torch.tensor([2]), 1, 0)[0, 0]
+    assert s.tolist() == [3.0, 2.0]
+    whole = split_quest_scores(qq, cache, torch.tensor([[0, 1]]), torch.tensor([2]), 1, 1)[0, 0]
+    assert whole.tolist() == [3.0, 2.0] and bool((whole >= s).all())
+
+
+def test_a_split_that_does_not_divide_the_block_is_refused():
+    q, k_cache, table, num_candidates, hkv = _inputs(12, 1)
+    with pytest.raises(ValueError, match="parts=5 must divide the block size 12"):
+        split_quest_scores(q, k_cache, table, num_candidates, hkv, 5, 11)
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_PARTS))
+def test_split_quest_needs_sparse_resident_and_not_vllm(name):
+    assert EngineConfig.from_overrides("qwen3-8b", mode="sparse-resident", selection_score=name)
+    for mode in ("dense", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
+        with pytest.raises(ValueError, match=f"selection_score='{name}' needs mode sparse-resident.*{mode}"):
+            EngineConfig.from_overrides("qwen3-8b", mode=mode, selection_score=name)
+    from oasiskv_runtime.vllm.options import VllmOptions
+
+    with pytest.raises(ValueError, match=f"selection_score '{name}' does not run on vLLM"):
+        VllmOptions(mode="sparse-resident", selection_score=name)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny(tmp_path_factory.mktemp("split"), "qwen3"))
+
+
+def test_split_quest_with_a_covering_budget_equals_dense(tiny, monkeypatch):
+    import oasiskv_runtime.core.predictor as predictor
+
+    calls, real = [], predictor.split_quest_scores
+    monkeypatch.setattr(predictor, "split_quest_scores", lambda *a, **kw: calls.append(a[5]) or real(*a, **kw))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for name, kw in (("dense", {}), ("split", dict(mode="sparse-resident", selection_score="quest_half",
+                                                 top_k_blocks=64, block_size=4))):
+        llm = LLM(tiny, kv_cache_gb=KV_GB, **kw)
+        tokens[name] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert tokens["split"] == tokens["dense"]
+    assert calls and set(calls) == {2}                               # the predictions ranked with it, 2 runs a block
+
+
+@pytest.mark.parametrize("name", ["quest_half", "max_logit"])
+def test_split_quest_keeps_the_top_k_of_its_score_on_the_real_keys(tiny, name):
+    """At 3 blocks of 4 for a 77-token prompt, with the first block always kept (``sink_blocks=1``), every decode
+    step, layer and KV head: the engine's choice is the sink plus the top-2 of an independent brute-force score on
+    the keys of that layer's cache (the wiring: the layer's keys, the request's blocks, the runs)."""
+    k = 3
+    llm = LLM(tiny, mode="sparse-resident", selection_score=name, top_k_blocks=k, block_size=4, sink_blocks=1,
+              kv_cache_gb=KV_GB)
+    backend, checked = llm.engine.backend, [0]
+    predictor = backend.predictor
+    real = predictor.predict
+
+    def spy(layer, query, batch, next_step, int32=False, **kw):
+        ids = real(layer, query, batch, next_step, int32, **kw)
+        want = brute_force_split(query, backend.dev_cache.k[layer], batch.primary_table, batch.num_candidates,
+                                 SPLIT_PARTS[name])
+        for b, per_head in enumerate(want):
+            for h, s in enumerate(per_head):
+                rest = sorted(range(1, len(s)), key=lambda j: -s[j])[:k - 1]
+                assert sorted(int(j) for j in ids[b, h] if j >= 0) == sorted([0] + rest)
+                checked[0] += 1
+        return ids
+
+    predictor.predict = spy
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert checked[0] == 5 * 5 * 3  # decode steps (the first token comes from the prefill) x layers x KV heads
