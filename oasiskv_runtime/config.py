@@ -249,6 +249,9 @@ SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank", 
 FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_logit")
 """Study rankings that read every candidate block's keys at every step (the full KV must be on the device)."""
 
+SUMMARY_SCORES = tuple(s for s in SELECTION_SCORES if s not in FULL_KEY_SCORES)
+"""Rankings from the key summaries (what ``summary_parts`` changes)."""
+
 
 @dataclass(frozen=True)
 class SparseConfig:
@@ -333,6 +336,12 @@ class SparseConfig:
         "Off by default: on SmolLM2 it helps at half the context and, with attended_share, at 1/8, but costs 0.7 / 2.4 "
         "points at 1/4 (2K / 4K) and ~5% of a 32K prefill (docs/accuracy.md).", "an integer >= 0",
         lambda v: _int(v) and v >= 0)
+    summary_parts: int = _opt(
+        1, "Summary rows per block: each block's keys in this many equal runs with their own min/max, a block scored "
+        "by its best run's Quest bound; 2 doubles the summaries' device memory (1/8 of the KV at block size 16, 1/16 "
+        "at 1), every sparse mode of the embedded engine, selection_score quest (the full-key study scores ignore "
+        "it), not with prefix caching or prefill-decode hand-off (yet), not on vLLM. A divisor of block_size.",
+        "a positive divisor of block_size", lambda v: _int(v) and v > 0)
     accept_drafts: bool = _opt(
         False, "oasiskv: when the model's token equals the draft, emit the draft row's token too (two tokens a step, "
         "as vLLM's speculative decoding; outputs stay exact). The draft's KV is kept only when accepted. n-gram "
@@ -343,6 +352,9 @@ class SparseConfig:
         if self.demand_fetch_cap and not self.demand_fetch:
             raise ValueError(f"demand_fetch_cap={self.demand_fetch_cap} needs demand_fetch=true (it bounds what "
                              "demand_fetch fetches)")
+        if self.summary_parts > 1 and self.selection_score in SUMMARY_SCORES and self.selection_score != "quest":
+            raise ValueError(f"summary_parts={self.summary_parts} scores blocks by Quest's bound of their best run "
+                             f"(selection_score=quest), not {self.selection_score!r}")
         if self.sink_blocks >= self.top_k_blocks:
             raise ValueError(f"sink_blocks must be in [0, top_k_blocks), got {self.sink_blocks}")
         if self.attended_blocks and self.attended_share:
@@ -520,6 +532,13 @@ class EngineConfig:
             object.__setattr__(self, "sparse", dataclasses.replace(self.sparse,
                                                                    draft=resolve_draft("auto", self.model)))
         self.sparse.check_mode(self.mode)
+        parts = self.sparse.summary_parts
+        if self.cache.block_size % parts:
+            raise ValueError(f"summary_parts={parts} must divide block_size={self.cache.block_size} (each block's "
+                             f"keys in equal runs)")
+        if parts > 1 and self.pd.prefix_cache:
+            raise ValueError(f"summary_parts={parts} does not run with prefix_cache yet (its entries hold one "
+                             f"summary per block)")
 
     @staticmethod
     def options() -> dict[str, OptionSpec]:

@@ -64,6 +64,8 @@ class VllmOptions:
     selection_score: str = _default("selection_score")
     """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` and ``gauss`` are
     embedded-engine study settings)."""
+    summary_parts: int = _default("summary_parts")
+    """1 only: summary rows per block other than one run on the embedded engine only for now (refused here)."""
     backend: str = _default("backend")
     measure_recall: bool = _default("measure_recall")
     """Host-pool modes: recall of each layer's prediction against the true next query's top-K (host round trips)."""
@@ -99,6 +101,9 @@ class VllmOptions:
         for f in fields(self):
             if f.name not in ("mode", "cuda_graphs", "admission", "host_pool_gb", "device_tier_gb"):
                 _SPECS[f.name].validate(getattr(self, f.name))
+        if self.summary_parts != 1:
+            raise ValueError(f"summary_parts={self.summary_parts}: summary_parts runs on the embedded engine only for "
+                             "now (vLLM's plug-in keeps one summary row per block)")
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
         if self.selection_score not in VLLM_SCORES:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
