@@ -39,7 +39,8 @@ class DecodeBatch:
     """[B] int32: the same at the next step (what a prefetch for the next step ranks)."""
     summary_table: torch.Tensor
     """[B, S] int32: device block of each summary block (logical block ``j``'s summary is row
-    ``summary_table[b, j // block_size] * block_size + j % block_size``)."""
+    ``summary_table[b, j // block_size] * block_size + j % block_size``; with ``summary_parts`` P, sub-block
+    ``j * P + i``'s, addressed the same way)."""
     primary_table: torch.Tensor
     """[B, NB] int64: block of each logical block where the full KV lives (device cache, or the full-KV pool)."""
     slot_blocks: torch.Tensor | None = None

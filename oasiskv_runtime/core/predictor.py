@@ -19,6 +19,8 @@ engine does not keep): sparse-resident only.
 ``selection_score="quest_half"`` / ``"quest_quarter"`` / ``"max_logit"`` rank by Quest's bound over 2 / 4 / one-key
 runs of each block's keys, the block's best run (:func:`split_quest_scores`): finer summaries with the same fetch unit,
 computed from the full keys (a study): sparse-resident only.
+``summary_parts > 1`` (with ``quest``): the engine keeps that many summary rows per block (each for a run of
+``block_size / parts`` keys) and a block scores its best run's bound, from the summaries alone: every mode.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_rank_scores
 class Predictor:
     def __init__(self, summaries: KeySummaries, num_kv_heads: int, k_slots: int, sink_blocks: int = 0,
                  backend: str = "auto", selection_score: str = "quest", keys: list[torch.Tensor] | None = None,
-                 scale: float = 1.0, recent_blocks: int = 0) -> None:
+                 scale: float = 1.0, recent_blocks: int = 0, summary_parts: int = 1) -> None:
         self.summaries, self.hkv, self.k_slots = summaries, num_kv_heads, k_slots
+        self.summary_parts = summary_parts
+        """Summary rows per logical block (``SparseConfig.summary_parts``): block ``j``'s are sub-blocks
+        ``j * parts .. j * parts + parts - 1``, addressed like blocks; quest scores a block by its best one."""
         self.sink_blocks, self.recent_blocks, self.backend = sink_blocks, recent_blocks, backend
         self.selection_score, self.keys, self.scale = selection_score, keys, scale
         """``keys``: per layer ``[num_blocks, block_size, Hkv, D]`` (what ``primary_table`` indexes), read by the
@@ -72,11 +77,25 @@ class Predictor:
             sum_min, sum_max = self.summaries.read(layer)
             scores = minmax_mass_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
                                         self.scale, max_candidates)
+        elif self.summary_parts > 1:
+            scores = self._sub_block_quest(layer, query, batch, next_step, num_candidates, max_candidates)
         else:
             sum_min, sum_max = self.summaries.read(layer)
             scores = quest_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
                                   max_candidates, backend=self.backend)
         return self.rank(scores, num_candidates, int32=int32, keep=keep)
+
+    def _sub_block_quest(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
+                         num_candidates: torch.Tensor, max_candidates: int | None) -> torch.Tensor:
+        """Quest's bound of every candidate sub-block (``num_candidates * parts`` of them, summary rows addressed
+        like blocks), a block's the best of its ``parts``: ``[B, Hkv, J]``, ``-inf`` beyond the candidates. The
+        sub-block counts are made once per batch (on the device: CUDA graphs capture this)."""
+        p = self.summary_parts
+        sub = batch.derived("sub_candidates_next" if next_step else "sub_candidates", lambda: num_candidates * p)
+        sum_min, sum_max = self.summaries.read(layer)
+        scores = quest_scores(query, sum_min, sum_max, batch.summary_table, sub, self.hkv,
+                              None if max_candidates is None else max_candidates * p, backend=self.backend)
+        return scores.view(scores.shape[0], scores.shape[1], -1, p).amax(-1)
 
     def rank(self, scores: torch.Tensor, num_candidates: torch.Tensor, int32: bool = False,
              keep: torch.Tensor | None = None) -> torch.Tensor:

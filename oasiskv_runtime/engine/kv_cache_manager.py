@@ -9,7 +9,8 @@ What a request holds depends on the mode (one manager, mode flags, no forks):
   draft completed stays readable while the next fills), the rest the ``top_k_blocks`` selection slots: the working
   set does not grow with context length.
 - every sparse mode: ``summary_blocks``: device blocks holding the per-block key min/max rows, one row per
-  logical block, ``block_size`` rows per summary block (1/16 of the KV at block size 16).
+  logical block, ``block_size`` rows per summary block (1/16 of the KV at block size 16); with ``summary_parts``
+  P, P rows per logical block (one per run of ``block_size / P`` tokens: sub-block ``p // (block_size / P)``).
 - host-pool modes with a device tier (``CacheConfig.device_tier``): once the host pool is full, a request's
   full-KV blocks come from the device pool instead, listed in ``host_blocks`` as ``tier_first + device id``
   (``tier_first`` = the host pool's size), so every path that reads the pool by block id reads either part
@@ -73,9 +74,12 @@ class RequestBlocks:
 
 class KVCacheManager:
     def __init__(self, mode: Mode, block_size: int, num_device_blocks: int, num_host_blocks: int,
-                 top_k_blocks: int, max_model_len: int, device_tier: bool = False, local_slots: int = 1) -> None:
-        """``local_slots``: local blocks per working set (2 with ``accept_drafts``, see the module docstring)."""
+                 top_k_blocks: int, max_model_len: int, device_tier: bool = False, local_slots: int = 1,
+                 summary_parts: int = 1) -> None:
+        """``local_slots``: local blocks per working set (2 with ``accept_drafts``, see the module docstring);
+        ``summary_parts``: summary rows per logical block (``SparseConfig.summary_parts``)."""
         self.local_slots = local_slots
+        self.summary_parts = summary_parts
         self.mode = mode
         self.block_size = block_size
         self.top_k_blocks = top_k_blocks
@@ -127,7 +131,7 @@ class KVCacheManager:
     def _needs(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
         """(device blocks, host blocks) a request holds once ``num_tokens`` tokens have KV."""
         nb = cdiv(num_tokens, self.block_size)
-        device = cdiv(nb, self.block_size) if self.mode.is_sparse else 0
+        device = self.summary_blocks_for(nb) if self.mode.is_sparse else 0
         host = 0
         if self.mode.uses_host_pool:
             host = nb
@@ -135,6 +139,11 @@ class KVCacheManager:
         else:
             device += nb
         return device, host
+
+    def summary_blocks_for(self, num_blocks: int) -> int:
+        """Summary blocks holding the summaries of ``num_blocks`` logical blocks (``summary_parts`` rows each,
+        ``block_size`` rows per summary block)."""
+        return cdiv(num_blocks * self.summary_parts, self.block_size)
 
     def check_fits_alone(self, seq: Sequence) -> None:
         """Raise when the request could not run even with the whole budget to itself."""
@@ -209,7 +218,7 @@ class KVCacheManager:
         else:
             cap = len(rb.device_blocks) * bs
         if self.mode.is_sparse:
-            cap = min(cap, len(rb.summary_blocks) * bs * bs)
+            cap = min(cap, len(rb.summary_blocks) * bs * (bs // self.summary_parts))
         return cap
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -233,7 +242,7 @@ class KVCacheManager:
                 rb.ws_blocks, rb.num_local = self.device_pool.allocate(n_ws), self.local_slots
                 need_device -= n_ws
         if self.mode.is_sparse:
-            n_sum = cdiv(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size), self.block_size)
+            n_sum = self.summary_blocks_for(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size))
             n_sum = max(0, n_sum - len(rb.summary_blocks))
             rb.summary_blocks += self.device_pool.allocate(n_sum)
             need_device -= n_sum

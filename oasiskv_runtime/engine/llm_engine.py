@@ -95,7 +95,8 @@ class LLMEngine:
         self.max_model_len = mc.max_position_embeddings
         self.kv = KVCacheManager(config.mode, bs, num_device_blocks, num_host_blocks,
                                  config.sparse.top_k_blocks, self.max_model_len, config.cache.device_tier,
-                                 local_slots=2 if config.sparse.accept_drafts else 1)
+                                 local_slots=2 if config.sparse.accept_drafts else 1,
+                                 summary_parts=config.sparse.summary_parts)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend = self._make_backend(num_device_blocks, num_host_blocks)
         self.runner = ModelRunner(self.model, config, self.kv, self.backend)
@@ -158,6 +159,9 @@ class LLMEngine:
         if (stage_kv or prefix is not None) and self.kv.tier_first is not None:
             raise ValueError("staged KV and prefix-cache hits live in the host pool: not supported with a device "
                              "tier (device_tier)")
+        if (stage_kv or prefix is not None) and self.config.sparse.summary_parts > 1:
+            raise ValueError(f"summary_parts={self.config.sparse.summary_parts} does not run with prefill-decode "
+                             "hand-off or prefix-cache hits yet (they carry one summary per block)")
         seq = self._new_sequence(prompt_token_ids, params, request_id, arrival)
         seq.stage_kv = stage_kv
         self.scheduler.add(seq)

@@ -40,7 +40,8 @@ from oasiskv_runtime.transfer.prefill_io import PrefillPoolIO
 FIXED_AT_START = {"accept_drafts": "it sizes each working set's local blocks",
                   "attended_blocks": "it sizes the record of each head's most attended blocks",
                   "attended_share": "it sizes the record of each head's most attended blocks",
-                  "fill_query": "the step builder reads it once"}
+                  "fill_query": "the step builder reads it once",
+                  "summary_parts": "it sets the summaries' layout"}
 """Algorithm options :meth:`OasisKVAttention.configure` refuses to change, and why."""
 
 
@@ -63,7 +64,7 @@ class OasisKVAttention:
         """``fill_window``: the last prompt rows of requests prefilled in chunks."""
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
                                    self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
-                                   scale, self.sparse.recent_blocks)
+                                   scale, self.sparse.recent_blocks, self.sparse.summary_parts)
         self.pipeline = self.io = None
         if self.mode.uses_host_pool:
             # The pipeline's streams and per-layer events exist on CUDA with the kernels; elsewhere the same calls
@@ -133,6 +134,9 @@ class OasisKVAttention:
         """The flat summary rows of a handed-off request's blocks (after checking the mode can hand off)."""
         if not self.mode.uses_host_pool:
             raise ValueError(f"{op} needs a host-pool mode, not {self.mode.value}")
+        if self.sparse.summary_parts > 1:
+            raise ValueError(f"{op}: summary_parts={self.sparse.summary_parts} does not run with prefill-decode "
+                             "hand-off yet (it carries one summary per block)")
         bs = self.dev_cache.block_size
         return summary_rows(blocks.summary_blocks, -(-context_len // bs), bs, self.device)
 

@@ -50,6 +50,9 @@ class SparseStepBuilder:
         self.mode, self.kv, self.map, self.device = mode, kv, head_map, device
         self.fill_from_draft = fill_from_draft and mode.uses_draft
         self.bs = kv.block_size
+        self.parts = kv.summary_parts
+        self.sb = self.bs // self.parts
+        """Tokens per summary row (``summary_parts`` rows per block): token ``p``'s row is sub-block ``p // sb``'s."""
         self.device_step = device_step
         self.bound: dict[int, int] = {}
         """Per request, the candidate count its last prediction ranked (the next step's ``gap_block`` test)."""
@@ -89,17 +92,18 @@ class SparseStepBuilder:
                           decode_slices=decode, summary_imports=self._summary_imports(meta.seqs))
 
     def summary_writes(self, seqs: list[SeqSlice], runs: bool) -> SummaryWrites:
-        """The summary row of every written token (one row per logical block; each row at most once: decode), or
-        with ``runs`` (a prefill chunk in the step) the run layout of ``update_summaries_runs``, built a logical
-        block at a time (an 8K-token chunk is 512 runs, laid out on the host before the step's first launch)."""
-        bs, dev = self.bs, self.device
+        """The summary row of every written token (one row per sub-block of ``sb`` tokens, ``summary_parts`` per
+        logical block; each row at most once: decode), or with ``runs`` (a prefill chunk in the step) the run layout
+        of ``update_summaries_runs``, built a sub-block at a time (an 8K-token chunk is 512 runs at one part, laid
+        out on the host before the step's first launch), each run padded to ``block_size`` entries."""
+        bs, sb, dev = self.bs, self.sb, self.device
         if not runs:
             rows, reset = [], []
             for s in seqs:
                 table = self.kv.requests[s.seq_id].summary_blocks
                 for p in range(s.context_len - s.num_query, s.context_len):
-                    rows.append(summary_row(table, p // bs, bs))
-                    reset.append(p % bs == 0)
+                    rows.append(summary_row(table, p // sb, bs))
+                    reset.append(p % sb == 0)
             return SummaryWrites(rows=host_list_to(rows, torch.long, dev), reset=host_list_to(reset, torch.bool, dev))
         pad_idx: list[int] = []
         run_rows: list[int] = []
@@ -109,8 +113,8 @@ class SparseStepBuilder:
             table = self.kv.requests[s.seq_id].summary_blocks
             p, end = s.context_len - s.num_query, s.context_len
             while p < end:
-                j, off = divmod(p, bs)
-                n = min(bs - off, end - p)
+                j, off = divmod(p, sb)
+                n = min(sb - off, end - p)
                 pad_idx += range(i, i + n)
                 pad_idx += [i] * (bs - n)
                 run_rows.append(summary_row(table, j, bs))
@@ -212,14 +216,14 @@ class SparseStepBuilder:
         returns the dtypes of fields uploaded in another dtype than int64."""
         bs, host = self.bs, self.mode.uses_host_pool
         primary = static.table("primary", max_blocks, 0)
-        summary = static.table("summary", cdiv(max_blocks, bs), 0, torch.int32)  # the score kernel's dtype
+        summary = static.table("summary", cdiv(max_blocks * self.parts, bs), 0, torch.int32)  # the scorer's dtype
         slot_table = static.table("slots", self.map.k_slots, 0) if host else None
         sum_rows, reset = [], []
         for seq, ctx, table, row in zip(seqs, ctxs, tables, rows):
             rb = self.kv.requests[seq.seq_id]
             p = ctx - 1
-            sum_rows.append(summary_row(rb.summary_blocks, p // bs, bs))
-            reset.append(int(p % bs == 0))
+            sum_rows.append(summary_row(rb.summary_blocks, p // self.sb, bs))
+            reset.append(int(p % self.sb == 0))
             primary.set(row, seq.seq_id, table)
             summary.set(row, seq.seq_id, rb.summary_blocks)
             if host:
