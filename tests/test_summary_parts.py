@@ -53,6 +53,8 @@ def _check_summaries_after_each_step(llm) -> list[int]:
 
     def execute(*a, **kw):
         out = real(*a, **kw)
+        if be.dev_cache.k[0].is_cuda:
+            torch.cuda.synchronize()  # the pool writes of the host-pool modes may run on other streams
         for s in runner.last_meta.seqs:
             rb = kv.requests[s.seq_id]
             n = s.context_len
@@ -63,7 +65,7 @@ def _check_summaries_after_each_step(llm) -> list[int]:
                 mins, maxs = (t.view(-1, *t.shape[2:]) for t in be.summaries.read(layer))
                 for sj in range(cdiv(n, sb)):
                     row = summary_row(rb.summary_blocks, sj, bs)
-                    run = keys[sj * sb:(sj + 1) * sb]
+                    run = keys[sj * sb:(sj + 1) * sb].to(mins.device)
                     assert torch.equal(mins[row], run.amin(0)), (s.seq_id, layer, sj, n)
                     assert torch.equal(maxs[row], run.amax(0)), (s.seq_id, layer, sj, n)
                     checked[0] += 1
@@ -151,6 +153,26 @@ def test_the_static_layout_gives_the_eager_steps_tokens(tiny_short, mode):
     got = _tokens(static, PROMPTS, greedy)
     assert got == _tokens(LLM(tiny, cuda_graphs="off", **kw), PROMPTS, greedy)
     assert static.engine.run_stats()["static_eager_steps"] > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", SPARSE)
+def test_cuda_kernels_and_captured_graphs(tiny_short, mode):
+    """On CUDA (the Triton score and summary kernels, decode steps replayed from captured graphs) at a small budget:
+    every sub-block row after every step holds its keys' min / max, graphs give eager's tokens, and sparse-resident
+    gives quest_half's (the same bound from the full keys)."""
+    kw = dict(mode=mode, device="cuda", summary_parts=2, top_k_blocks=3, block_size=4, max_num_batched_tokens=32,
+              draft="ngram", kv_cache_gb=KV_GB)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    graphed = LLM(tiny_short, cuda_graphs="auto", **kw)
+    checked = _check_summaries_after_each_step(graphed)
+    got = _tokens(graphed, PROMPTS, greedy)
+    st = graphed.engine.run_stats()
+    assert checked[0] > 1000 and st["graph_replays"] > 0 and st["graphs_disabled"] is None
+    assert got == _tokens(LLM(tiny_short, cuda_graphs="off", **kw), PROMPTS, greedy)
+    if mode == "sparse-resident":
+        half = {**kw, "summary_parts": 1, "selection_score": "quest_half"}
+        assert got == _tokens(LLM(tiny_short, cuda_graphs="off", **half), PROMPTS, greedy)
 
 
 def test_refusals():
