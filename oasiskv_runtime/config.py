@@ -338,8 +338,8 @@ class SparseConfig:
         lambda v: _int(v) and v >= 0)
     summary_parts: int = _opt(
         1, "Summary rows per block: each block's keys in this many equal runs with their own min/max, a block scored "
-        "by its best run's Quest bound; 2 doubles the summaries' device memory (1/8 of the KV at block size 16, 1/16 "
-        "at 1), every sparse mode of the embedded engine, selection_score quest (the full-key study scores ignore "
+        "by its best run's Quest bound; 2 doubles the summaries' device memory (from 1/16 to 1/8 of the KV at block "
+        "size 16), every sparse mode of the embedded engine, selection_score quest (the full-key study scores ignore "
         "it), not with prefix caching or prefill-decode hand-off (yet), not on vLLM. A divisor of block_size.",
         "a positive divisor of block_size", lambda v: _int(v) and v > 0)
     accept_drafts: bool = _opt(

@@ -215,6 +215,10 @@ def test_a_running_engine_keeps_its_layout_and_refuses_hand_offs(tiny):
         llm.engine.add_request(PROMPTS[0], params, prefix=(blocks, torch.zeros(0), torch.zeros(0)))
     with pytest.raises(ValueError, match="summary_parts=2 does not run with prefill-decode hand-off"):
         llm.engine.backend.export_request(0, None, 10, 0)
+    from oasiskv_runtime.pd.workers import check_pd_config
+
+    with pytest.raises(ValueError, match="summary_parts=2 is not supported with prefill-decode"):
+        check_pd_config(llm.config)
 
 
 def test_the_vllm_bench_plan_refuses_it_and_the_accuracy_runner_passes_it_on(tiny, tmp_path):

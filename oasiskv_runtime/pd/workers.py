@@ -52,6 +52,9 @@ def check_pd_config(config: EngineConfig) -> None:
     if config.sparse.accept_drafts:
         raise ValueError("accept_drafts is not supported with prefill-decode yet (a handed-off working set has one "
                          "local block)")
+    if config.sparse.summary_parts > 1 and mode.is_sparse:
+        raise ValueError(f"summary_parts={config.sparse.summary_parts} is not supported with prefill-decode yet (the "
+                         "hand-off carries one summary row per block)")
     if config.pd.transfer == "rpf" and not mode.uses_host_pool:
         raise ValueError(f"remote partial fetching needs a sparse host-pool decode mode, not {mode.value}: "
                          f"use --transfer full for dense decode")
