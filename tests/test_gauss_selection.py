@@ -13,6 +13,7 @@ import torch
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
+from tests.selection_checks import check_sink_plus_top_k
 from tests.tiny_models import write_tiny
 
 PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]
@@ -139,21 +140,8 @@ def test_gauss_selection_keeps_the_top_k_of_its_score_on_the_real_keys(tiny):
     k = 3
     llm = LLM(tiny, mode="sparse-resident", selection_score="gauss", top_k_blocks=k, block_size=4, sink_blocks=1,
               kv_cache_gb=KV_GB)
-    backend, checked = llm.engine.backend, [0]
-    predictor = backend.predictor
-    real = predictor.predict
-
-    def spy(layer, query, batch, next_step, int32=False, **kw):
-        ids = real(layer, query, batch, next_step, int32, **kw)
-        want = brute_force_gauss(query, backend.dev_cache.k[layer], batch.primary_table, batch.num_candidates,
-                                 backend.scale)
-        for b, per_head in enumerate(want):
-            for h, s in enumerate(per_head):
-                rest = sorted(range(1, len(s)), key=lambda j: -s[j])[:k - 1]
-                assert sorted(int(j) for j in ids[b, h] if j >= 0) == sorted([0] + rest)
-                checked[0] += 1
-        return ids
-
-    predictor.predict = spy
+    scale = llm.engine.backend.scale
+    checked = check_sink_plus_top_k(llm, lambda q, keys, batch: brute_force_gauss(
+        q, keys, batch.primary_table, batch.num_candidates, scale), k)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert checked[0] == 5 * 5 * 3  # decode steps (the first token comes from the prefill) x layers x KV heads

@@ -18,6 +18,7 @@ from oasiskv_runtime.core.batch import summary_row
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.engine.sequence import Sequence
 from tests.test_split_quest import brute_force_split
+from tests.selection_checks import check_sink_plus_top_k
 from tests.tiny_models import write_tiny
 
 SPARSE = ["sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"]
@@ -97,21 +98,8 @@ def test_selection_is_quest_half_from_the_summaries_alone(tiny):
     k = 3
     kw = dict(mode="sparse-resident", top_k_blocks=k, block_size=4, sink_blocks=1, kv_cache_gb=KV_GB)
     llm = LLM(tiny, summary_parts=2, **kw)
-    backend, checked = llm.engine.backend, [0]
-    predictor = backend.predictor
-    real = predictor.predict
-
-    def spy(layer, query, batch, next_step, int32=False, **kw):
-        ids = real(layer, query, batch, next_step, int32, **kw)
-        want = brute_force_split(query, backend.dev_cache.k[layer], batch.primary_table, batch.num_candidates, 2)
-        for b, per_head in enumerate(want):
-            for h, s in enumerate(per_head):
-                rest = sorted(range(1, len(s)), key=lambda j: -s[j])[:k - 1]
-                assert sorted(int(j) for j in ids[b, h] if j >= 0) == sorted([0] + rest)
-                checked[0] += 1
-        return ids
-
-    predictor.predict = spy
+    checked = check_sink_plus_top_k(llm, lambda q, keys, batch: brute_force_split(
+        q, keys, batch.primary_table, batch.num_candidates, 2), k)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     got = _tokens(llm, PROMPTS[:1], params)
     assert checked[0] == 5 * 5 * 3  # decode steps (the first token comes from the prefill) x layers x KV heads
