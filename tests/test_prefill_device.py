@@ -431,21 +431,24 @@ def test_summary_runs_by_block_equal_token_runs_of_the_token_layout():
     from oasiskv_runtime.engine.attention.metadata import SeqSlice
     from oasiskv_runtime.engine.attention.sparse_step import SparseStepBuilder
 
-    for seed in range(12):
+    for seed in range(18):
         gen = _gen(seed)
         bs = (4, 16, 8)[seed % 3]
+        parts = (1, 2, 4)[seed // 3 % 3]  # summary_parts: a row per run of bs // parts tokens
+        sb = bs // parts
         tables, seqs, row = {}, [], 0
         free = torch.randperm(400, generator=gen).tolist()
         for sid in range(1 + seed % 5):
             ctx = int(torch.randint(1, 12 * bs, (1,), generator=gen))
             nq = 1 if sid % 2 else int(torch.randint(1, ctx + 1, (1,), generator=gen))
-            tables[sid] = [free.pop() for _ in range(-(-ctx // bs) // bs + 1)]
+            tables[sid] = [free.pop() for _ in range(-(-ctx // sb) // bs + 1)]
             seqs.append(SeqSlice(sid, row, nq, ctx, []))
             row += nq
-        kv = SimpleNamespace(block_size=bs, requests={i: SimpleNamespace(summary_blocks=t) for i, t in tables.items()})
+        kv = SimpleNamespace(block_size=bs, summary_parts=parts,
+                             requests={i: SimpleNamespace(summary_blocks=t) for i, t in tables.items()})
         builder = SparseStepBuilder(Mode.SPARSE_RESIDENT, kv, None, torch.device("cpu"), device_step=False)
-        rows = [summary_row(tables[s.seq_id], p // bs, bs) for s in seqs
+        rows = [summary_row(tables[s.seq_id], p // sb, bs) for s in seqs
                 for p in range(s.context_len - s.num_query, s.context_len)]
-        reset = [p % bs == 0 for s in seqs for p in range(s.context_len - s.num_query, s.context_len)]
+        reset = [p % sb == 0 for s in seqs for p in range(s.context_len - s.num_query, s.context_len)]
         got = [t.tolist() for t in builder.summary_writes(seqs, runs=True).runs]
         assert tuple(got) == su.token_runs(rows, reset, bs)
