@@ -1,7 +1,38 @@
-"""A check the full-key selection tests share: wrap a sparse-resident engine's predictor so every decode step's
-choice, at every layer and KV head, is checked against an independent score of that layer's keys."""
+"""What the full-key selection tests share: random inputs for a block scorer and the check of its output against a
+brute-force reference, and a spy on a sparse-resident engine's predictor so every decode step's choice, at every
+layer and KV head, is checked against an independent score of that layer's keys."""
 
 from __future__ import annotations
+
+import torch
+
+
+def scorer_inputs(bs: int, seed: int, hkv: int = 2, g: int = 3, d: int = 20, counts=(11, 0, 7), spread=True):
+    """``(q, k_cache, table, num_candidates)`` for three requests, one per count in ``counts`` (odd, one without
+    candidates), over a 40-block cache and a random 14-block table each. ``spread``: keys get a per-block offset and
+    spread, so the blocks' statistics (min/max runs, means, variances) differ."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = 40
+    num_candidates = torch.tensor(counts, dtype=torch.int32)
+    q = torch.randn(len(counts), hkv * g, d, generator=gen)
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen)
+    if spread:
+        k_cache = torch.randn(nb, 1, hkv, d, generator=gen) + torch.rand(nb, 1, hkv, d, generator=gen) * 3 * k_cache
+    table = torch.stack([torch.randperm(nb, generator=gen)[:14] for _ in counts])
+    return q, k_cache, table, num_candidates
+
+
+def assert_block_scores(got: torch.Tensor, want, num_candidates: torch.Tensor, width: int, atol: float = 1e-4):
+    """``got`` ``[B, Hkv, width]`` fp32 equals the reference's ``want[b][h]`` lists on each request's candidates and
+    is ``-inf`` past them."""
+    B, hkv = len(num_candidates), len(want[0])
+    assert got.shape == (B, hkv, width) and got.dtype == torch.float32
+    for b in range(B):
+        nc = int(num_candidates[b])
+        for h in range(hkv):
+            torch.testing.assert_close(got[b, h, :nc], torch.tensor(want[b][h], dtype=torch.float32),
+                                       rtol=1e-5, atol=atol)
+            assert bool(torch.isneginf(got[b, h, nc:]).all())
 
 
 def check_sink_plus_top_k(llm, score, k: int) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
-from tests.selection_checks import check_sink_plus_top_k
+from tests.selection_checks import assert_block_scores, check_sink_plus_top_k, scorer_inputs
 from tests.tiny_models import write_tiny
 
 PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]
@@ -55,25 +55,13 @@ def test_gauss_mass_scores_equal_brute_force(device, bs, bound):
     """2 KV heads x 3 query heads each (g = 3), head dim 20, a random block table, odd counts and a request without
     candidates; ``bound``: a host bound above the real counts (the static layout of CUDA graphs passes its bucket).
     Keys get a per-block offset and spread so means and variances differ between blocks."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
-    hkv, g, d, nb = 2, 3, 20, 40
-    num_candidates = torch.tensor([11, 0, 7], dtype=torch.int32)
-    q = torch.randn(3, hkv * g, d, generator=gen)
-    k_cache = torch.randn(nb, 1, hkv, d, generator=gen) + torch.rand(nb, 1, hkv, d, generator=gen) * 3 * torch.randn(
-        nb, bs, hkv, d, generator=gen)
-    table = torch.stack([torch.randperm(nb, generator=gen)[:14] for _ in range(3)])
+    hkv, d = 2, 20
+    q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, d=d)
     scale = 1.0 / math.sqrt(d)
     got = gauss_mass_scores(q.to(device), k_cache.to(device), table.to(device), num_candidates.to(device), hkv,
                             scale, bound).cpu()
-    J = bound or 11
-    assert got.shape == (3, hkv, J) and got.dtype == torch.float32
-    want = brute_force_gauss(q, k_cache, table, num_candidates, scale)
-    for b in range(3):
-        nc = int(num_candidates[b])
-        for h in range(hkv):
-            torch.testing.assert_close(got[b, h, :nc], torch.tensor(want[b][h], dtype=torch.float32),
-                                       rtol=1e-5, atol=1e-4)
-            assert bool(torch.isneginf(got[b, h, nc:]).all())
+    assert_block_scores(got, brute_force_gauss(q, k_cache, table, num_candidates, scale), num_candidates,
+                        bound or 11)
 
 
 def test_gauss_mass_scores_are_the_offline_studys_mean_var():

@@ -15,7 +15,7 @@ from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.ops.score_topk import quest_scores_ref
 from oasiskv_runtime.ops.split_quest import SPLIT_PARTS, split_quest_scores
-from tests.selection_checks import check_sink_plus_top_k
+from tests.selection_checks import assert_block_scores, check_sink_plus_top_k, scorer_inputs
 from tests.tiny_models import write_tiny
 
 PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]
@@ -51,16 +51,9 @@ def brute_force_split(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tenso
 
 
 def _inputs(bs: int, seed: int):
-    """2 KV heads x 3 query heads (g = 3), head dim 20, a random table, odd counts and a request without candidates;
-    keys with a per-block offset and spread so the runs of one block differ."""
-    gen = torch.Generator().manual_seed(seed)
-    hkv, g, d, nb = 2, 3, 20, 40
-    num_candidates = torch.tensor([11, 0, 7], dtype=torch.int32)
-    q = torch.randn(3, hkv * g, d, generator=gen)
-    k_cache = torch.randn(nb, 1, hkv, d, generator=gen) + torch.rand(nb, 1, hkv, d, generator=gen) * 3 * torch.randn(
-        nb, bs, hkv, d, generator=gen)
-    table = torch.stack([torch.randperm(nb, generator=gen)[:14] for _ in range(3)])
-    return q, k_cache, table, num_candidates, hkv
+    """2 KV heads x 3 query heads each (g = 3), head dim 20, a random block table, odd counts and a request without
+    candidates, keys with a per-block offset and spread so the runs of one block differ."""
+    return (*scorer_inputs(bs, seed), 2)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -70,15 +63,8 @@ def test_split_quest_scores_equal_brute_force(device, bs, parts, bound):
     q, k_cache, table, num_candidates, hkv = _inputs(bs, torch.seed() % (2**31))
     got = split_quest_scores(q.to(device), k_cache.to(device), table.to(device), num_candidates.to(device), hkv,
                              parts, bound).cpu()
-    J = bound or 11
-    assert got.shape == (3, hkv, J) and got.dtype == torch.float32
-    want = brute_force_split(q, k_cache, table, num_candidates, parts)
-    for b in range(3):
-        nc = int(num_candidates[b])
-        for h in range(hkv):
-            torch.testing.assert_close(got[b, h, :nc], torch.tensor(want[b][h], dtype=torch.float32),
-                                       rtol=1e-5, atol=1e-4)
-            assert bool(torch.isneginf(got[b, h, nc:]).all())
+    assert_block_scores(got, brute_force_split(q, k_cache, table, num_candidates, parts), num_candidates,
+                        bound or 11)
 
 
 def test_one_run_is_quest_from_the_engines_summaries():

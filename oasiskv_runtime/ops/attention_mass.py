@@ -21,9 +21,12 @@ their attention the block holds, so ranking by it maximises the group's total at
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-__all__ = ["block_attention_mass", "candidate_blocks", "prompt_block_mass", "slot_mass", "working_set_mass"]
+__all__ = ["block_attention_mass", "candidate_blocks", "prompt_block_mass", "score_candidate_blocks", "slot_mass",
+           "working_set_mass"]
 
 
 def candidate_blocks(q: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor, num_kv_heads: int,
@@ -44,6 +47,27 @@ def candidate_blocks(q: torch.Tensor, block_table: torch.Tensor, num_candidates:
     return Hq // hkv, J, ok, blocks
 
 
+def score_candidate_blocks(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                           num_candidates: torch.Tensor, num_kv_heads: int, max_candidates: int | None,
+                           score: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Per-block scores from every key of every candidate block, ``[B, Hkv, J]`` fp32, ``-inf`` beyond
+    ``num_candidates``: the frame the scorers that read keys share (this module's mass, ``gauss``, split Quest).
+
+    ``score(qh, keys, ok)`` gives one KV head's ``[B, J]`` scores from its group's queries ``qh`` ``[B, g, D]`` and
+    its candidates' keys ``keys`` ``[B, J, block_size, D]`` (both fp32; padding columns hold block 0's keys), with
+    ``ok`` ``[B, J]`` the candidate mask. One KV head at a time keeps the gathered keys small."""
+    B, _, D = q.shape
+    hkv, dev = int(num_kv_heads), q.device
+    g, J, ok, blocks = candidate_blocks(q, block_table, num_candidates, hkv, max_candidates)
+    out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
+    if J == 0 or B == 0:
+        return out
+    qf = q.float().view(B, hkv, g, D)
+    for h in range(hkv):
+        out[:, h] = score(qf[:, h], k_cache[:, :, h][blocks].float(), ok)
+    return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
+
+
 def block_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                          num_candidates: torch.Tensor, num_kv_heads: int, scale: float,
                          max_candidates: int | None = None) -> torch.Tensor:
@@ -53,21 +77,15 @@ def block_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
     ``block_table``: ``[B, NB]`` the cache block holding each logical block; ``num_candidates``: ``[B]``;
     ``max_candidates``: ``J``, a host-side bound of ``num_candidates`` (read from the device when None).
     """
-    B, _, D = q.shape
-    hkv, bs, dev = int(num_kv_heads), k_cache.shape[1], q.device
-    g, J, ok, blocks = candidate_blocks(q, block_table, num_candidates, hkv, max_candidates)
-    if J == 0 or B == 0:
-        return torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    token_ok = ok.view(B, 1, J, 1).expand(B, 1, J, bs).reshape(B, 1, J * bs)
-    qf = q.float().view(B, hkv, g, D)
-    out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    for h in range(hkv):  # one KV head at a time keeps the gathered keys [B, J * bs, D] small
-        keys = k_cache[:, :, h][blocks].float().view(B, J * bs, D)
-        logits = torch.bmm(qf[:, h], keys.transpose(1, 2)).mul_(scale)                    # [B, g, J * bs]
-        # A request without candidates has an all -inf row (NaN after the softmax): masked below.
+    def mass(qh: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        B, J, bs, D = keys.shape
+        logits = torch.bmm(qh, keys.view(B, J * bs, D).transpose(1, 2)).mul_(scale)       # [B, g, J * bs]
+        token_ok = ok.view(B, 1, J, 1).expand(B, 1, J, bs).reshape(B, 1, J * bs)
+        # A request without candidates has an all -inf row (NaN after the softmax): masked by the caller.
         probs = torch.softmax(logits.masked_fill_(~token_ok, float("-inf")), dim=-1)
-        out[:, h] = probs.view(B, g, J, bs).sum(dim=(1, 3))
-    return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
+        return probs.view(B, -1, J, bs).sum(dim=(1, 3))
+
+    return score_candidate_blocks(q, k_cache, block_table, num_candidates, num_kv_heads, max_candidates, mass)
 
 
 def working_set_mass(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> torch.Tensor:

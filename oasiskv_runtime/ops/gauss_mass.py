@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv_runtime.ops.attention_mass import candidate_blocks
+from oasiskv_runtime.ops.attention_mass import score_candidate_blocks
 
 __all__ = ["gauss_mass_scores"]
 
@@ -44,17 +44,9 @@ def gauss_mass_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
     ``block_table``: ``[B, NB]`` the cache block holding each logical block; ``num_candidates``: ``[B]``;
     ``max_candidates``: ``J``, a host-side bound of ``num_candidates`` (read from the device when None).
     """
-    B, _, D = q.shape
-    hkv, dev = int(num_kv_heads), q.device
-    g, J, ok, blocks = candidate_blocks(q, block_table, num_candidates, hkv, max_candidates)
-    if J == 0 or B == 0:
-        return torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    qf = q.float().view(B, hkv, g, D)
-    out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    for h in range(hkv):  # one KV head at a time keeps the gathered keys [B, J, block_size, D] small
-        keys = k_cache[:, :, h][blocks].float()                                        # [B, J, bs, D]
+    def gauss(qh: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         var, mu = torch.var_mean(keys, dim=2, correction=0)                               # [B, J, D] each
-        qh = qf[:, h]                                                                    # [B, g, D]
         est = torch.bmm(qh, mu.transpose(1, 2)) + (0.5 * scale) * torch.bmm(qh.square(), var.transpose(1, 2))
-        out[:, h] = est.amax(dim=1)                                                      # [B, g, J] -> [B, J]
-    return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
+        return est.amax(dim=1)                                                           # [B, g, J] -> [B, J]
+
+    return score_candidate_blocks(q, k_cache, block_table, num_candidates, num_kv_heads, max_candidates, gauss)

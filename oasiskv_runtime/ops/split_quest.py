@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv_runtime.ops.attention_mass import candidate_blocks
+from oasiskv_runtime.ops.attention_mass import score_candidate_blocks
 
 __all__ = ["split_quest_scores", "SPLIT_PARTS"]
 
@@ -44,20 +44,17 @@ def split_quest_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
     ``block_table``: ``[B, NB]`` the cache block holding each logical block; ``parts``: a divisor of ``block_size``
     (0: ``block_size``, one key per run); ``max_candidates``: ``J``, a host-side bound of ``num_candidates`` (read
     from the device when None)."""
-    B, _, D = q.shape
-    hkv, bs, dev = int(num_kv_heads), k_cache.shape[1], q.device
+    bs = k_cache.shape[1]
     parts = parts or bs
     if parts < 1 or bs % parts:
         raise ValueError(f"parts={parts} must divide the block size {bs}")
-    g, J, ok, blocks = candidate_blocks(q, block_table, num_candidates, hkv, max_candidates)
-    if J == 0 or B == 0:
-        return torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    qf = q.float().view(B, hkv, g, D)
-    out = torch.empty((B, hkv, J), dtype=torch.float32, device=dev)
-    for h in range(hkv):  # one KV head at a time keeps the gathered keys [B, J, block_size, D] small
-        keys = k_cache[:, :, h][blocks].float().view(B, J, parts, bs // parts, D)
-        lo, hi = keys.amin(dim=3).view(B, J * parts, D), keys.amax(dim=3).view(B, J * parts, D)
-        qh = qf[:, h]                                                                    # [B, g, D]
+
+    def best_run_bound(qh: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        B, J, _, D = keys.shape
+        runs = keys.view(B, J, parts, bs // parts, D)
+        lo, hi = runs.amin(dim=3).view(B, J * parts, D), runs.amax(dim=3).view(B, J * parts, D)
         bound = torch.bmm(qh.clamp_min(0), hi.transpose(1, 2)) + torch.bmm(qh.clamp_max(0), lo.transpose(1, 2))
-        out[:, h] = bound.view(B, g, J, parts).amax(dim=3).amax(dim=1)                   # [B, g, J*parts] -> [B, J]
-    return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
+        return bound.view(B, -1, J, parts).amax(dim=3).amax(dim=1)                       # [B, g, J*parts] -> [B, J]
+
+    return score_candidate_blocks(q, k_cache, block_table, num_candidates, num_kv_heads, max_candidates,
+                                  best_run_bound)
