@@ -7,6 +7,8 @@ Needs the eval extra (lm-eval, datasets): skipped without it.
 from __future__ import annotations
 
 import json
+import random
+import statistics
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +24,7 @@ from oasisbench.accuracy import tasks as T  # noqa: E402
 from oasisbench.accuracy.lm_eval_model import OasisKVLM  # noqa: E402
 from oasisbench.accuracy.scoring import dense_loglikelihood, engine_loglikelihood  # noqa: E402
 from oasisbench.cli.main import app  # noqa: E402
-from oasisbench.runners.accuracy import AccuracyConfig, _run_niah, run  # noqa: E402
+from oasisbench.runners.accuracy import AccuracyConfig, Sample, _run_niah, _with_deltas, paired_interval, render_report, run  # noqa: E402,E501
 from oasiskv_runtime import LLM, SamplingParams  # noqa: E402
 from tests.tiny_data import write_aime24  # noqa: E402
 from tests.tiny_models import write_tiny, write_tiny_tokenizer  # noqa: E402
@@ -187,6 +189,7 @@ def test_cli_aime_fixture_writes_deltas_for_every_mode(tiny, aime_dir, tmp_path)
     assert by_mode["dense"]["delta_vs_dense"] == 0.0
     assert by_mode["oasiskv"]["delta_vs_dense"] == pytest.approx(by_mode["oasiskv"]["score"] - by_mode["dense"]["score"])
     assert by_mode["oasiskv"]["num_samples"] == 2 and by_mode["oasiskv"]["output_throughput"] > 0
+    assert by_mode["oasiskv"]["delta_ci95"] >= 0.0 and by_mode["dense"]["delta_ci95"] is None
     for name in ("config.json", "env.json", "metrics.json", "report.md", "samples-dense.jsonl", "samples-oasiskv.jsonl"):
         assert (run_dir / name).exists(), name
 
@@ -404,3 +407,58 @@ def test_lm_eval_records_our_commit_quietly_outside_a_checkout(tmp_path, monkeyp
     assert evaluator.get_git_commit_hash is real
     assert recorded == _git_commit()
     assert "fatal" not in capfd.readouterr().err
+
+
+def _scored(task: str, n: int, rng: random.Random, depths=(0.0, 50.0)) -> list[Sample]:
+    """``n`` documents of ``task`` spread over ``depths``, each scored in [0, 1] in steps of 1/3 (a multi-answer
+    task's partial credit)."""
+    return [Sample(task, f"2048-{depths[i % len(depths)]:g}-{i}", {"context_len": 2048, "depth": depths[i % len(depths)]},
+                   rng.randrange(4) / 3, [], []) for i in range(n)]
+
+
+def test_paired_interval_is_the_normal_interval_of_per_document_differences():
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    n = rng.randrange(7, 41)
+    dense = _scored("niah_multi_key", n, rng)
+    mine = [Sample(s.task, s.doc_id, s.strata, rng.randrange(4) / 3, [], []) for s in dense]
+    rng.shuffle(mine)  # paired by document, not by position
+    diffs = {s.doc_id: 100 * s.score for s in mine}
+    for s in dense:
+        diffs[s.doc_id] -= 100 * s.score
+    want = 1.96 * statistics.stdev(diffs.values()) / math.sqrt(n)
+    assert paired_interval(mine, dense) == pytest.approx(want), seed
+    # The same answers everywhere: no spread; a constant shift: none either (pairing removes the documents' spread).
+    assert paired_interval(dense, dense) == 0.0
+    assert paired_interval([Sample(s.task, s.doc_id, s.strata, 1.0, [], []) for s in dense],
+                           [Sample(s.task, s.doc_id, s.strata, 0.0, [], []) for s in dense]) == 0.0
+    assert paired_interval(mine[:1], dense[:1]) is None  # one document: no spread to estimate
+    assert paired_interval(mine[1:], dense) is None  # a document without its pair
+    assert paired_interval(mine, dense[1:] + [Sample("niah_multi_key", "x", {}, 0.0, [], [])]) is None
+
+
+def test_deltas_carry_a_paired_interval_per_task_group_and_stratum():
+    """Rows as ``aggregate`` makes them for two NIAH families: each row's interval is over its own documents (the
+    ``niah`` group pools the families; a depth row takes that depth's)."""
+    from oasisbench.runners.accuracy import aggregate
+
+    rng = random.Random(7)
+    dense = _scored("niah_single_needle", 9, rng) + _scored("niah_multi_key", 9, rng)
+    mine = [Sample(s.task, s.doc_id, s.strata, rng.randrange(4) / 3, [], []) for s in dense]
+    rows = [r | {"mode": m, "label": m, "setting": {}} for m, ss in (("dense", dense), ("oasiskv", mine))
+            for r in aggregate(ss, 1)]
+    _with_deltas(rows, {"dense": dense, "oasiskv": mine})
+    by = {(r["label"], r["task"], json.dumps(r["stratum"])): r for r in rows}
+    for task, stratum, keep in (("niah", {}, lambda s: True),
+                                ("niah_multi_key", {}, lambda s: s.task == "niah_multi_key"),
+                                ("niah", {"depth": 50.0}, lambda s: s.strata["depth"] == 50.0),
+                                ("niah_single_needle", {"depth": 0.0},
+                                 lambda s: s.task == "niah_single_needle" and s.strata["depth"] == 0.0)):
+        row = by["oasiskv", task, json.dumps(stratum)]
+        want = paired_interval([s for s in mine if keep(s)], [s for s in dense if keep(s)])
+        assert want is not None and row["delta_ci95"] == pytest.approx(want), (task, stratum)
+        assert by["dense", task, json.dumps(stratum)]["delta_ci95"] is None  # the anchor has no delta to bound
+    text = render_report(rows, "m", "r1", False)
+    row = by["oasiskv", "niah", "{}"]
+    assert f"({row['delta_vs_dense']:+.1f} ±{row['delta_ci95']:.1f})" in text and "95% interval" in text

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import math
 import platform
 import time
 import zlib
@@ -435,13 +436,40 @@ def _sort_key(values: list[Any]) -> list[tuple[int, Any]]:
     return [(0, v) if isinstance(v, (int, float)) else (1, order.get(v, 9), str(v)) for v in values]
 
 
-def _with_deltas(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Delta in points against the dense row of the same task and stratum (None when dense lacks it)."""
-    dense = {(r["task"], json.dumps(r["stratum"], sort_keys=True)): r["score"] for r in rows if r["mode"] == "dense"}
+def _with_deltas(rows: list[dict[str, Any]],
+                 samples: dict[str, list[Sample]] | None = None) -> list[dict[str, Any]]:
+    """Delta in points against the dense row of the same task and stratum (None when dense lacks it), and with
+    ``samples`` (label -> that setting's scored documents) ``delta_ci95``: the half-width of a 95% interval of that
+    delta, paired over the documents both settings answered (:func:`paired_interval`)."""
+    dense = {(r["task"], json.dumps(r["stratum"], sort_keys=True)): r for r in rows if r["mode"] == "dense"}
     for r in rows:
         anchor = dense.get((r["task"], json.dumps(r["stratum"], sort_keys=True)))
-        r["delta_vs_dense"] = None if anchor is None else r["score"] - anchor
+        r["delta_vs_dense"] = None if anchor is None else r["score"] - anchor["score"]
+        if samples is not None:
+            r["delta_ci95"] = None if anchor is None or r["mode"] == "dense" else paired_interval(
+                _members(samples.get(r["label"], []), r["task"], r["stratum"]),
+                _members(samples.get(anchor["label"], []), r["task"], r["stratum"]))
     return rows
+
+
+def _members(samples: list[Sample], task: str, stratum: dict[str, Any]) -> list[Sample]:
+    """The documents a row of :func:`aggregate` scored (``niah``: every NIAH family's)."""
+    tasks = set(T.GROUPS.get(task, [task]))
+    return [s for s in samples if s.task in tasks and all(s.strata.get(k) == v for k, v in stratum.items())]
+
+
+def paired_interval(mine: list[Sample], anchor: list[Sample]) -> float | None:
+    """Half-width, in points, of a 95% interval of ``mean(mine) - mean(anchor)`` over the same documents: the
+    normal approximation over per-document differences (both settings saw each document, so what varies between
+    documents cancels and the interval is far narrower than either score's own). None when a document lacks its
+    pair or fewer than two documents remain."""
+    base = {(s.task, s.doc_id): s.score for s in anchor}
+    if len(mine) < 2 or len(base) != len(mine) or any((s.task, s.doc_id) not in base for s in mine):
+        return None
+    diffs = [100.0 * (s.score - base[s.task, s.doc_id]) for s in mine]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return 1.96 * math.sqrt(var / len(diffs))
 
 
 def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
@@ -462,6 +490,7 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
                                    cfg.max_gen_toks) if lm_names else None
     outcome = RunOutcome(store.path)
     samples_by_mode: dict[str, list[str]] = {}
+    samples_by_label: dict[str, list[Sample]] = {}
     engine_stats: dict[str, dict[str, Any]] = {}
     dense_out: list[list[int]] = []  # the anchor's NIAH outputs: the oracle draft's reference
     for i, (mode, setting) in enumerate(cfg.settings()):
@@ -500,11 +529,12 @@ def run(cfg: AccuracyConfig, log: Callable[[str], None] = print) -> RunOutcome:
             for row in aggregate(samples, cfg.num_samples):
                 outcome.rows.append(row | {"mode": mode, "setting": setting, "label": name, "engine": cfg.engine}
                                     | throughput)
+            samples_by_label.setdefault(name, []).extend(samples)
             lines = samples_by_mode.setdefault(mode, [])
             lines += [json.dumps({"mode": mode, "setting": setting, "engine": cfg.engine} | asdict(s), default=str)
                       for s in samples]
         atomic_write_text(store.path / f"samples-{mode}.jsonl", "\n".join(samples_by_mode[mode]) + "\n")
-        _with_deltas(outcome.rows)
+        _with_deltas(outcome.rows, samples_by_label)
         _write(cfg, store, env, outcome, engine_stats)
         log(f"[{name}] done: " + ", ".join(f"{r['task']} {r['score']:.1f}" for r in outcome.rows
                                              if r["label"] == name and not r["stratum"]))
@@ -531,8 +561,8 @@ def _write(cfg: AccuracyConfig, store: RunStore, env: dict, outcome: RunOutcome,
         if cfg.engine != "embedded":  # the default engine stays out of the point: older runs keep their ids
             point["engine"] = cfg.engine
         stats = engine_stats.get(r["label"], {})
-        metrics = {k: r.get(k) for k in ("score", "delta_vs_dense", "num_samples", "avg_at_k", "output_throughput",
-                                         "total_output_tokens", "duration")}
+        metrics = {k: r.get(k) for k in ("score", "delta_vs_dense", "delta_ci95", "num_samples", "avg_at_k",
+                                         "output_throughput", "total_output_tokens", "duration")}
         metrics |= {k: stats.get(k) for k in ("num_preemptions", "fetched_bytes_per_step", "prediction_recall",
                                               "draft_accuracy")}
         store.add_record(point, metrics)
@@ -553,8 +583,9 @@ def render_report(rows: list[dict[str, Any]], model: str, run_id: str, random_we
     warn = " **Random weights: scores carry no meaning.**" if random_weights else ""
     on = {"embedded": "", "vllm": " on vLLM"}.get(engine, f" on {engine}")
     out = [f"# Accuracy: {model}{on}", "",
-           f"Run `{run_id}`. Scores in percent; `(+x.x)` is the delta in points against the dense anchor of the "
-           f"same engine (deltas compare only within one stack).{warn}", "",
+           f"Run `{run_id}`. Scores in percent; `(+x.x ±y.y)` is the delta in points against the dense anchor of the "
+           f"same engine (deltas compare only within one stack) and the half-width of its 95% interval, paired over "
+           f"the same documents (normal approximation).{warn}", "",
            "| " + " | ".join(["task", *keys, *labels]) + " |", "|" + "---|" * (1 + len(keys) + len(labels))]
     for (task, stratum_text), by_label in cells.items():
         stratum = json.loads(stratum_text)
@@ -563,8 +594,9 @@ def render_report(rows: list[dict[str, Any]], model: str, run_id: str, random_we
         scores = []
         for name in labels:
             r = by_label.get(name)
+            ci = "" if r is None or r.get("delta_ci95") is None else f" ±{r['delta_ci95']:.1f}"
             delta = "" if r is None or r["mode"] == "dense" or r["delta_vs_dense"] is None \
-                else f" ({r['delta_vs_dense']:+.1f})"
+                else f" ({r['delta_vs_dense']:+.1f}{ci})"
             scores.append("-" if r is None else f"{r['score']:.1f}{delta}")
         n = max((r["num_samples"] for r in by_label.values()), default=0)
         out.append("| " + " | ".join([f"{task} (n={n})", *strata, *scores]) + " |")
