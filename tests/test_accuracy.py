@@ -462,3 +462,50 @@ def test_deltas_carry_a_paired_interval_per_task_group_and_stratum():
     text = render_report(rows, "m", "r1", False)
     row = by["oasiskv", "niah", "{}"]
     assert f"({row['delta_vs_dense']:+.1f} ±{row['delta_ci95']:.1f})" in text and "95% interval" in text
+
+
+def _write_samples(run_dir: Path, mode: str, setting: dict, samples: list[Sample]) -> None:
+    from dataclasses import asdict
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"mode": mode, "setting": setting, "engine": "embedded"} | asdict(s)) for s in samples]
+    (run_dir / f"samples-{mode}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_cli_paired_compares_settings_of_two_runs_over_their_shared_documents(tmp_path):
+    """Run 1 holds the exact top-K at two lengths, run 2 oasiskv at the same documents plus one run 1 lacks: the
+    difference pairs documents, per length and pooled, and leaves the unpaired one out."""
+    from oasisbench.results.paired import load_samples, paired_diff
+
+    rng = random.Random(3)
+    exact = [Sample(s.task, s.doc_id.replace("2048", str(n)), {**s.strata, "context_len": n}, s.score, [], [])
+             for n in (2048, 4096) for s in _scored("niah_multi_value", 11, rng)]
+    mine = [Sample(s.task, s.doc_id, s.strata, rng.randrange(4) / 3, [], []) for s in exact]
+    extra = Sample("niah_multi_value", "4096-0-99", {"context_len": 4096, "depth": 0.0}, 1.0, [], [])
+    _write_samples(tmp_path / "r1", "sparse-resident", {"selection_score": "attention"}, exact)
+    _write_samples(tmp_path / "r2", "oasiskv", {}, [extra] + mine[::-1])
+    rows = paired_diff(load_samples(tmp_path / "r1")["sparse-resident[selection_score=attention]"],
+                       load_samples(tmp_path / "r2")["oasiskv"])
+    assert [(r.context_len, r.num_samples) for r in rows] == [(2048, 11), (4096, 11), (None, 22)]
+    for r, keep in zip(rows, (lambda s: s.strata["context_len"] == 2048, lambda s: s.strata["context_len"] == 4096,
+                              lambda s: True)):
+        a, b = [s for s in exact if keep(s)], [s for s in mine if keep(s)]
+        assert r.delta == pytest.approx(100 * (sum(s.score for s in b) - sum(s.score for s in a)) / len(a))
+        assert r.ci95 == pytest.approx(paired_interval(b, a))
+    out = runner.invoke(app, ["paired", f"{tmp_path / 'r1'}:sparse-resident[selection_score=attention]",
+                              f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert f"{rows[2].delta:+.1f} ±{rows[2].ci95:.1f}" in out.output and "4096" in out.output
+    # Bad input: a setting the run lacks (the message lists what it has), a directory without samples, no shared
+    # document, no setting named.
+    out = runner.invoke(app, ["paired", f"{tmp_path / 'r1'}:oasiskv", f"{tmp_path / 'r2'}:oasiskv"],
+                        env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "sparse-resident[selection_score=attention]" in out.output
+    out = runner.invoke(app, ["paired", f"{tmp_path}:dense", f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "no samples-*.jsonl" in out.output
+    _write_samples(tmp_path / "r3", "dense", {}, [extra])
+    out = runner.invoke(app, ["paired", f"{tmp_path / 'r3'}:dense", f"{tmp_path / 'r1'}:sparse-resident"
+                              "[selection_score=attention]"], env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "answered by both" in out.output
+    out = runner.invoke(app, ["paired", str(tmp_path / "r1"), f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "RUN_DIR:SETTING" in out.output

@@ -13,6 +13,7 @@ from oasisbench.cli.baseline import baseline_cmd
 from oasisbench.cli.compare import compare_cmd
 from oasisbench.cli.gate import gate_cmd
 from oasisbench.cli.generate import generate_cmd
+from oasisbench.cli.paired import paired_cmd
 from oasisbench.cli.pd import pd_cmd
 from oasisbench.cli.recall import recall_cmd
 from oasisbench.cli.report import report_cmd
@@ -37,6 +38,7 @@ app.command("accuracy")(accuracy_cmd)
 app.command("recall")(recall_cmd)
 app.command("train-draft")(train_draft_cmd)
 app.command("pd")(pd_cmd)
+app.command("paired")(paired_cmd)
 
 
 def _terminate_as_interrupt(signum: int, frame: FrameType | None) -> None:
