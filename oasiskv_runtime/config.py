@@ -243,10 +243,12 @@ class CacheConfig:
         _validate(self)
 
 
-SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank", "quest_half", "quest_quarter", "max_logit")
+SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank", "quest_half", "quest_quarter", "max_logit",
+                    "max_logit_b1", "max_logit_b2", "max_logit_b4")
 """What ranks candidate blocks (``SparseConfig.selection_score``)."""
 
-FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_logit")
+FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_logit", "max_logit_b1", "max_logit_b2",
+                   "max_logit_b4")
 """Study rankings that read every candidate block's keys at every step (the full KV must be on the device)."""
 
 SUMMARY_SCORES = tuple(s for s in SELECTION_SCORES if s not in FULL_KEY_SCORES)
@@ -295,8 +297,12 @@ class SparseConfig:
         "head, a KV head's selection shared among its query heads by each one's ranking instead of the bounds' group "
         "max; every mode, a study setting); quest_half / quest_quarter / max_logit (Quest's bound over 2 / 4 / "
         "block_size runs of each block's keys, the block's best run: the ranking of summaries 2x / 4x as fine with "
-        "the same fetch unit, computed from every key at every step; a study setting, sparse-resident only).",
-        "quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter or max_logit",
+        "the same fetch unit, computed from every key at every step; a study setting, sparse-resident only); "
+        "max_logit_b1 / _b2 / _b4 (each block's largest logit over its keys coded in 1 / 2 / 4 bits per dimension "
+        "within the block's min/max: a summary of bits/16 of the key cache, computed from every key at every step; "
+        "a study setting, sparse-resident only).",
+        "quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter, max_logit, max_logit_b1, "
+        "max_logit_b2 or max_logit_b4",
         lambda v: v in SELECTION_SCORES)
     dense_layers: int = _opt(0, "The first N layers attend over the whole context in the sparse modes (Quest keeps "
                              "2; the paper 0).", "an integer >= 0", lambda v: _int(v) and v >= 0)

@@ -24,7 +24,8 @@ from oasisbench.accuracy import tasks as T  # noqa: E402
 from oasisbench.accuracy.lm_eval_model import OasisKVLM  # noqa: E402
 from oasisbench.accuracy.scoring import dense_loglikelihood, engine_loglikelihood  # noqa: E402
 from oasisbench.cli.main import app  # noqa: E402
-from oasisbench.runners.accuracy import AccuracyConfig, Sample, _run_niah, _with_deltas, paired_interval, render_report, run  # noqa: E402,E501
+from oasisbench.runners.accuracy import (AccuracyConfig, Sample, _run_niah, _with_deltas,  # noqa: E402
+                                        paired_interval, render_report, run)
 from oasiskv_runtime import LLM, SamplingParams  # noqa: E402
 from tests.tiny_data import write_aime24  # noqa: E402
 from tests.tiny_models import write_tiny, write_tiny_tokenizer  # noqa: E402
@@ -336,7 +337,8 @@ def test_sweep_refusals_name_the_key_before_any_engine_runs(tiny, tmp_path):
     for extra, words in ((["--modes", "oasiskv", "--sweep", "selection_score=quest,attention"],
                           ("oasiskv[selection_score=attention]", "needs mode sparse-resident")),
                          (["--modes", "sparse-resident", "--sweep", "selection_score=exact"],
-                          ("selection_score must be quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter or max_logit",)),
+                          ("selection_score must be quest, minmax_mass, attention, gauss, quest_rank, quest_half, "
+                           "quest_quarter, max_logit, max_logit_b1, max_logit_b2 or max_logit_b4",)),
                          (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=0,8"],
                           ("recent_blocks + attended_blocks must be < top_k_blocks",)),
                          (["--modes", "proxy-prefetch", "--sweep", "recent_blocks=1.5"], ("is not an integer",)),
@@ -412,8 +414,9 @@ def test_lm_eval_records_our_commit_quietly_outside_a_checkout(tmp_path, monkeyp
 def _scored(task: str, n: int, rng: random.Random, depths=(0.0, 50.0)) -> list[Sample]:
     """``n`` documents of ``task`` spread over ``depths``, each scored in [0, 1] in steps of 1/3 (a multi-answer
     task's partial credit)."""
-    return [Sample(task, f"2048-{depths[i % len(depths)]:g}-{i}", {"context_len": 2048, "depth": depths[i % len(depths)]},
-                   rng.randrange(4) / 3, [], []) for i in range(n)]
+    at = [depths[i % len(depths)] for i in range(n)]
+    return [Sample(task, f"2048-{d:g}-{i}", {"context_len": 2048, "depth": d}, rng.randrange(4) / 3, [], [])
+            for i, d in enumerate(at)]
 
 
 def test_paired_interval_is_the_normal_interval_of_per_document_differences():

@@ -68,7 +68,8 @@ def test_attention_selection_needs_sparse_resident():
     for mode in ("dense", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
         with pytest.raises(ValueError, match=f"selection_score='attention' needs mode sparse-resident.*{mode}"):
             EngineConfig.from_overrides("qwen3-8b", mode=mode, selection_score="attention")
-    with pytest.raises(ValueError, match="selection_score must be quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter or max_logit"):
+    with pytest.raises(ValueError, match="selection_score must be quest, minmax_mass, attention, gauss, quest_rank, "
+                       "quest_half, quest_quarter, max_logit, max_logit_b1, max_logit_b2 or max_logit_b4"):
         EngineConfig.from_overrides("qwen3-8b", mode="sparse-resident", selection_score="exact")
 
 

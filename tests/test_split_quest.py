@@ -14,7 +14,7 @@ import torch
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.ops.score_topk import quest_scores_ref
-from oasiskv_runtime.ops.split_quest import SPLIT_PARTS, split_quest_scores
+from oasiskv_runtime.ops.split_quest import CODED_BITS, SPLIT_PARTS, coded_max_logit_scores, split_quest_scores
 from tests.selection_checks import assert_block_scores, check_sink_plus_top_k, scorer_inputs
 from tests.tiny_models import write_tiny
 
@@ -50,6 +50,33 @@ def brute_force_split(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tenso
     return out
 
 
+def brute_force_coded(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor, num_candidates,
+                      bits: int) -> list:
+    """Per request and KV head, per candidate block: the largest ``q_i . k^_t`` over the group's query heads and the
+    block's keys, each key dimension coded to the nearest of ``2**bits`` levels from the block's min to its max, in
+    float64 Python. Returns ``[B][Hkv]`` lists."""
+    B, Hq, D = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g, levels = Hq // hkv, 2 ** bits - 1
+    out = []
+    for b in range(B):
+        per_head = []
+        for h in range(hkv):
+            scores = []
+            for j in range(int(num_candidates[b])):
+                keys = [[float(x) for x in k_cache[int(table[b, j]), t, h]] for t in range(bs)]
+                lo = [min(k[d] for k in keys) for d in range(D)]
+                hi = [max(k[d] for k in keys) for d in range(D)]
+                step = [(hi[d] - lo[d]) / levels for d in range(D)]
+                coded = [[lo[d] + (round((k[d] - lo[d]) / step[d]) * step[d] if step[d] > 0 else 0.0)
+                          for d in range(D)] for k in keys]
+                scores.append(max(sum(float(q[b, i, d]) * k[d] for d in range(D))
+                                  for i in range(h * g, (h + 1) * g) for k in coded))
+            per_head.append(scores)
+        out.append(per_head)
+    return out
+
+
 def _inputs(bs: int, seed: int):
     """2 KV heads x 3 query heads each (g = 3), head dim 20, a random block table, odd counts and a request without
     candidates, keys with a per-block offset and spread so the runs of one block differ."""
@@ -65,6 +92,32 @@ def test_split_quest_scores_equal_brute_force(device, bs, parts, bound):
                              parts, bound).cpu()
     assert_block_scores(got, brute_force_split(q, k_cache, table, num_candidates, parts), num_candidates,
                         bound or 11)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bs,bits,bound", [(16, 1, None), (16, 2, 13), (8, 4, None), (12, 3, 17)])
+def test_coded_max_logit_scores_equal_brute_force(device, bs, bits, bound):
+    q, k_cache, table, num_candidates, hkv = _inputs(bs, torch.seed() % (2**31))
+    got = coded_max_logit_scores(q.to(device), k_cache.to(device), table.to(device), num_candidates.to(device), hkv,
+                                 bits, bound).cpu()
+    assert_block_scores(got, brute_force_coded(q, k_cache, table, num_candidates, bits), num_candidates,
+                        bound or 11)
+
+
+def test_coded_keys_rank_between_the_box_and_the_keys():
+    """Two keys a block: every dimension of each is its block's min or max, so one bit codes them exactly and the
+    score is the largest logit; many bits approach the largest logit for any block; no bits are refused."""
+    q, k_cache, table, num_candidates, hkv = _inputs(2, 5)
+    exact = split_quest_scores(q, k_cache, table, num_candidates, hkv, SPLIT_PARTS["max_logit"], 11)
+    torch.testing.assert_close(coded_max_logit_scores(q, k_cache, table, num_candidates, hkv, 1, 11), exact)
+    q, k_cache, table, num_candidates, hkv = _inputs(16, 6)
+    exact = split_quest_scores(q, k_cache, table, num_candidates, hkv, SPLIT_PARTS["max_logit"], 11)
+    one_bit = coded_max_logit_scores(q, k_cache, table, num_candidates, hkv, 1, 11)
+    assert not torch.allclose(one_bit, exact)  # 16 keys: one bit loses where they sit inside the box
+    torch.testing.assert_close(coded_max_logit_scores(q, k_cache, table, num_candidates, hkv, 16, 11), exact,
+                               rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="bits=0 must be >= 1"):
+        coded_max_logit_scores(q, k_cache, table, num_candidates, hkv, 0, 11)
 
 
 def test_one_run_is_quest_from_the_engines_summaries():
@@ -112,7 +165,7 @@ def test_a_split_that_does_not_divide_the_block_is_refused():
         split_quest_scores(q, k_cache, table, num_candidates, hkv, 5, 11)
 
 
-@pytest.mark.parametrize("name", sorted(SPLIT_PARTS))
+@pytest.mark.parametrize("name", sorted(SPLIT_PARTS) + sorted(CODED_BITS))
 def test_split_quest_needs_sparse_resident_and_not_vllm(name):
     assert EngineConfig.from_overrides("qwen3-8b", mode="sparse-resident", selection_score=name)
     for mode in ("dense", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
@@ -144,7 +197,7 @@ def test_split_quest_with_a_covering_budget_equals_dense(tiny, monkeypatch):
     assert calls and set(calls) == {2}                               # the predictions ranked with it, 2 runs a block
 
 
-@pytest.mark.parametrize("name", ["quest_half", "max_logit"])
+@pytest.mark.parametrize("name", ["quest_half", "max_logit", "max_logit_b2"])
 def test_split_quest_keeps_the_top_k_of_its_score_on_the_real_keys(tiny, name):
     """At 3 blocks of 4 for a 77-token prompt, with the first block always kept (``sink_blocks=1``), every decode
     step, layer and KV head: the engine's choice is the sink plus the top-2 of an independent brute-force score on
@@ -152,7 +205,11 @@ def test_split_quest_keeps_the_top_k_of_its_score_on_the_real_keys(tiny, name):
     k = 3
     llm = LLM(tiny, mode="sparse-resident", selection_score=name, top_k_blocks=k, block_size=4, sink_blocks=1,
               kv_cache_gb=KV_GB)
-    checked = check_sink_plus_top_k(llm, lambda q, keys, batch: brute_force_split(
-        q, keys, batch.primary_table, batch.num_candidates, SPLIT_PARTS[name]), k)
+    def score(q, keys, batch):
+        if name in CODED_BITS:
+            return brute_force_coded(q, keys, batch.primary_table, batch.num_candidates, CODED_BITS[name])
+        return brute_force_split(q, keys, batch.primary_table, batch.num_candidates, SPLIT_PARTS[name])
+
+    checked = check_sink_plus_top_k(llm, score, k)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert checked[0] == 5 * 5 * 3  # decode steps (the first token comes from the prefill) x layers x KV heads

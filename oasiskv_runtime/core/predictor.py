@@ -19,6 +19,9 @@ engine does not keep): sparse-resident only.
 ``selection_score="quest_half"`` / ``"quest_quarter"`` / ``"max_logit"`` rank by Quest's bound over 2 / 4 / one-key
 runs of each block's keys, the block's best run (:func:`split_quest_scores`): finer summaries with the same fetch unit,
 computed from the full keys (a study): sparse-resident only.
+``selection_score="max_logit_b1"`` / ``"_b2"`` / ``"_b4"`` rank by each block's largest logit over its keys coded in
+1 / 2 / 4 bits per dimension within the block's min/max (:func:`coded_max_logit_scores`; a study of a summary the
+engine does not keep, from the full keys): sparse-resident only.
 ``summary_parts > 1`` (with ``quest``): the engine keeps that many summary rows per block (each for a run of
 ``block_size / parts`` keys) and a block scores its best run's bound, from the summaries alone: every mode.
 """
@@ -32,7 +35,7 @@ from oasiskv_runtime.core.summaries import KeySummaries
 from oasiskv_runtime.ops.attended import keep_blocks_
 from oasiskv_runtime.ops.attention_mass import block_attention_mass
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
-from oasiskv_runtime.ops.split_quest import SPLIT_PARTS, split_quest_scores
+from oasiskv_runtime.ops.split_quest import CODED_BITS, SPLIT_PARTS, coded_max_logit_scores, split_quest_scores
 from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_rank_scores, quest_scores, rank_topk
 
 
@@ -69,6 +72,9 @@ class Predictor:
         elif self.selection_score in SPLIT_PARTS:
             scores = split_quest_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
                                         SPLIT_PARTS[self.selection_score], max_candidates)
+        elif self.selection_score in CODED_BITS:
+            scores = coded_max_logit_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
+                                            CODED_BITS[self.selection_score], max_candidates)
         elif self.selection_score == "quest_rank":
             sum_min, sum_max = self.summaries.read(layer)
             scores = quest_rank_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
