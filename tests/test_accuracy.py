@@ -499,6 +499,12 @@ def test_cli_paired_compares_settings_of_two_runs_over_their_shared_documents(tm
                               f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert f"{rows[2].delta:+.1f} ±{rows[2].ci95:.1f}" in out.output and "4096" in out.output
+    # One run per length on A's side pools to the same figures.
+    _write_samples(tmp_path / "r1a", "sparse-resident", {"selection_score": "attention"}, exact[:11])
+    _write_samples(tmp_path / "r1b", "sparse-resident", {"selection_score": "attention"}, exact[11:])
+    out = runner.invoke(app, ["paired", f"{tmp_path / 'r1a'},{tmp_path / 'r1b'}:sparse-resident[selection_score="
+                              "attention]", f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0 and f"{rows[2].delta:+.1f} ±{rows[2].ci95:.1f}" in out.output, out.output
     # Bad input: a setting the run lacks (the message lists what it has), a directory without samples, no shared
     # document, no setting named.
     out = runner.invoke(app, ["paired", f"{tmp_path / 'r1'}:oasiskv", f"{tmp_path / 'r2'}:oasiskv"],
@@ -511,4 +517,4 @@ def test_cli_paired_compares_settings_of_two_runs_over_their_shared_documents(tm
                               "[selection_score=attention]"], env={"COLUMNS": "300"})
     assert out.exit_code == 2 and "answered by both" in out.output
     out = runner.invoke(app, ["paired", str(tmp_path / "r1"), f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "300"})
-    assert out.exit_code == 2 and "RUN_DIR:SETTING" in out.output
+    assert out.exit_code == 2 and "RUN_DIR[,RUN_DIR...]:SETTING" in out.output

@@ -12,16 +12,20 @@ from rich.markdown import Markdown
 from oasisbench.cli.report import fail
 
 
-def _side(text: str) -> tuple[Path, str]:
-    run_dir, sep, name = text.rpartition(":")
-    if not sep or not run_dir or not name:
-        raise fail(f"expected RUN_DIR:SETTING (e.g. results/accuracy-niah/20261206-1409-8c50:oasiskv), got {text!r}")
-    return Path(run_dir), name
+def _side(text: str) -> tuple[list[Path], str]:
+    run_dirs, sep, name = text.rpartition(":")
+    dirs = [Path(d) for d in run_dirs.split(",") if d]
+    if not sep or not dirs or not name:
+        raise fail(f"expected RUN_DIR[,RUN_DIR...]:SETTING (e.g. results/accuracy-niah/20261206-1409-8c50:oasiskv), "
+                   f"got {text!r}")
+    return dirs, name
 
 
 def paired_cmd(
     a: Annotated[str, typer.Argument(help="RUN_DIR:SETTING of A, the setting as the run's report names it "
-                                          "(dense, oasiskv, sparse-resident[summary_parts=4], ...).",
+                                          "(dense, oasiskv, sparse-resident[summary_parts=4], ...); "
+                                          "RUN_DIR,RUN_DIR:SETTING pools the setting's documents of several runs "
+                                          "(e.g. one run per context length).",
                                      show_default=False)],
     b: Annotated[str, typer.Argument(help="RUN_DIR:SETTING of B; the difference is B - A.", show_default=False)],
     task: Annotated[str, typer.Option("--task", help="A task, or a group (niah: its seven families).")] = "niah",
@@ -36,9 +40,9 @@ def paired_cmd(
 
     sides = []
     for text in (a, b):
-        run_dir, name = _side(text)
+        run_dirs, name = _side(text)
         try:
-            sides.append((name, pick(load_samples(run_dir), name, run_dir)))
+            sides.append((name, [s for d in run_dirs for s in pick(load_samples(d), name, d)]))
         except (FileNotFoundError, KeyError, ValueError) as e:
             raise fail(str(e).strip('"')) from None
     try:
