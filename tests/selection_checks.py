@@ -22,6 +22,18 @@ def scorer_inputs(bs: int, seed: int, hkv: int = 2, g: int = 3, d: int = 20, cou
     return q, k_cache, table, num_candidates
 
 
+def brute_force_blocks(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor, num_candidates, score) -> list:
+    """A reference block score in float64 Python, per request and KV head, per candidate block: ``score(keys,
+    queries)`` with ``keys`` the block's keys of that head and ``queries`` its GQA group's query heads (lists of
+    ``D`` floats each). Returns ``[B][Hkv]`` lists."""
+    B, Hq, _ = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = Hq // hkv
+    return [[[score([[float(x) for x in k_cache[int(table[b, j]), t, h]] for t in range(bs)],
+                    [[float(x) for x in q[b, i]] for i in range(h * g, (h + 1) * g)])
+              for j in range(int(num_candidates[b]))] for h in range(hkv)] for b in range(B)]
+
+
 def assert_block_scores(got: torch.Tensor, want, num_candidates: torch.Tensor, width: int, atol: float = 1e-4):
     """``got`` ``[B, Hkv, width]`` fp32 equals the reference's ``want[b][h]`` lists on each request's candidates and
     is ``-inf`` past them."""

@@ -13,7 +13,7 @@ import torch
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
-from tests.selection_checks import assert_block_scores, check_sink_plus_top_k, scorer_inputs
+from tests.selection_checks import assert_block_scores, brute_force_blocks, check_sink_plus_top_k, scorer_inputs
 from tests.tiny_models import write_tiny
 
 PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]
@@ -26,27 +26,14 @@ def brute_force_gauss(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tenso
     """Per request and KV head, per candidate block: the max over the group's query heads of
     ``q . mu + scale / 2 * sum_d q_d^2 var_d``, mean and population variance taken token by token in float64.
     Returns ``[B][Hkv]`` lists."""
-    B, Hq, D = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    g = Hq // hkv
-    out = []
-    for b in range(B):
-        per_head = []
-        for h in range(hkv):
-            scores = []
-            for j in range(int(num_candidates[b])):
-                keys = [[float(x) for x in k_cache[int(table[b, j]), t, h]] for t in range(bs)]
-                mu = [sum(k[d] for k in keys) / bs for d in range(D)]
-                var = [sum((k[d] - mu[d]) ** 2 for k in keys) / bs for d in range(D)]
-                best = -math.inf
-                for i in range(h * g, (h + 1) * g):
-                    qi = [float(x) for x in q[b, i]]
-                    est = sum(qi[d] * mu[d] + scale / 2 * qi[d] ** 2 * var[d] for d in range(D))
-                    best = max(best, est)
-                scores.append(best)
-            per_head.append(scores)
-        out.append(per_head)
-    return out
+    bs, D = k_cache.shape[1], q.shape[2]
+
+    def gauss(keys, queries):
+        mu = [sum(k[d] for k in keys) / bs for d in range(D)]
+        var = [sum((k[d] - mu[d]) ** 2 for k in keys) / bs for d in range(D)]
+        return max(sum(qi[d] * mu[d] + scale / 2 * qi[d] ** 2 * var[d] for d in range(D)) for qi in queries)
+
+    return brute_force_blocks(q, k_cache, table, num_candidates, gauss)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -15,7 +15,7 @@ from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.ops.score_topk import quest_scores_ref
 from oasiskv_runtime.ops.split_quest import CODED_BITS, SPLIT_PARTS, coded_max_logit_scores, split_quest_scores
-from tests.selection_checks import assert_block_scores, check_sink_plus_top_k, scorer_inputs
+from tests.selection_checks import assert_block_scores, brute_force_blocks, check_sink_plus_top_k, scorer_inputs
 from tests.tiny_models import write_tiny
 
 PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]
@@ -27,27 +27,19 @@ def brute_force_split(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tenso
     """Per request and KV head, per candidate block: the max over the group's query heads and the block's ``parts``
     runs of ``sum_d max(q_d * min_d, q_d * max_d)``, min / max per dimension over the run's keys, in float64 Python.
     Returns ``[B][Hkv]`` lists."""
-    B, Hq, D = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    g, run = Hq // hkv, bs // (parts or bs)
-    out = []
-    for b in range(B):
-        per_head = []
-        for h in range(hkv):
-            scores = []
-            for j in range(int(num_candidates[b])):
-                keys = [[float(x) for x in k_cache[int(table[b, j]), t, h]] for t in range(bs)]
-                best = -math.inf
-                for r0 in range(0, bs, run):
-                    lo = [min(k[d] for k in keys[r0:r0 + run]) for d in range(D)]
-                    hi = [max(k[d] for k in keys[r0:r0 + run]) for d in range(D)]
-                    for i in range(h * g, (h + 1) * g):
-                        qi = [float(x) for x in q[b, i]]
-                        best = max(best, sum(max(qi[d] * lo[d], qi[d] * hi[d]) for d in range(D)))
-                scores.append(best)
-            per_head.append(scores)
-        out.append(per_head)
-    return out
+    bs, D = k_cache.shape[1], q.shape[2]
+    run = bs // (parts or bs)
+
+    def best_run(keys, queries):
+        best = -math.inf
+        for r0 in range(0, bs, run):
+            lo = [min(k[d] for k in keys[r0:r0 + run]) for d in range(D)]
+            hi = [max(k[d] for k in keys[r0:r0 + run]) for d in range(D)]
+            for qi in queries:
+                best = max(best, sum(max(qi[d] * lo[d], qi[d] * hi[d]) for d in range(D)))
+        return best
+
+    return brute_force_blocks(q, k_cache, table, num_candidates, best_run)
 
 
 def brute_force_coded(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor, num_candidates,
@@ -55,26 +47,17 @@ def brute_force_coded(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tenso
     """Per request and KV head, per candidate block: the largest ``q_i . k^_t`` over the group's query heads and the
     block's keys, each key dimension coded to the nearest of ``2**bits`` levels from the block's min to its max, in
     float64 Python. Returns ``[B][Hkv]`` lists."""
-    B, Hq, D = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    g, levels = Hq // hkv, 2 ** bits - 1
-    out = []
-    for b in range(B):
-        per_head = []
-        for h in range(hkv):
-            scores = []
-            for j in range(int(num_candidates[b])):
-                keys = [[float(x) for x in k_cache[int(table[b, j]), t, h]] for t in range(bs)]
-                lo = [min(k[d] for k in keys) for d in range(D)]
-                hi = [max(k[d] for k in keys) for d in range(D)]
-                step = [(hi[d] - lo[d]) / levels for d in range(D)]
-                coded = [[lo[d] + (round((k[d] - lo[d]) / step[d]) * step[d] if step[d] > 0 else 0.0)
-                          for d in range(D)] for k in keys]
-                scores.append(max(sum(float(q[b, i, d]) * k[d] for d in range(D))
-                                  for i in range(h * g, (h + 1) * g) for k in coded))
-            per_head.append(scores)
-        out.append(per_head)
-    return out
+    D, levels = q.shape[2], 2 ** bits - 1
+
+    def coded_max(keys, queries):
+        lo = [min(k[d] for k in keys) for d in range(D)]
+        hi = [max(k[d] for k in keys) for d in range(D)]
+        step = [(hi[d] - lo[d]) / levels for d in range(D)]
+        coded = [[lo[d] + (round((k[d] - lo[d]) / step[d]) * step[d] if step[d] > 0 else 0.0) for d in range(D)]
+                 for k in keys]
+        return max(sum(qi[d] * k[d] for d in range(D)) for qi in queries for k in coded)
+
+    return brute_force_blocks(q, k_cache, table, num_candidates, coded_max)
 
 
 def _inputs(bs: int, seed: int):
