@@ -516,5 +516,8 @@ def test_cli_paired_compares_settings_of_two_runs_over_their_shared_documents(tm
     out = runner.invoke(app, ["paired", f"{tmp_path / 'r3'}:dense", f"{tmp_path / 'r1'}:sparse-resident"
                               "[selection_score=attention]"], env={"COLUMNS": "300"})
     assert out.exit_code == 2 and "answered by both" in out.output
+    out = runner.invoke(app, ["paired", f"{tmp_path / 'r1'},{tmp_path / 'r1a'}:sparse-resident[selection_score="
+                              "attention]", f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "more than once" in out.output  # one run pooled with a part of itself
     out = runner.invoke(app, ["paired", str(tmp_path / "r1"), f"{tmp_path / 'r2'}:oasiskv"], env={"COLUMNS": "300"})
     assert out.exit_code == 2 and "RUN_DIR[,RUN_DIR...]:SETTING" in out.output

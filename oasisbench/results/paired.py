@@ -57,8 +57,13 @@ def pick(samples: dict[str, list[Sample]], name: str, run_dir: Path) -> list[Sam
 
 def paired_diff(a: list[Sample], b: list[Sample], task: str = "niah") -> list[PairedRow]:
     """``b - a`` over the documents of ``task`` (a group such as ``niah`` pools its families) both answered: one row
-    per context length, then the pooled row when there are several. Raises ValueError when none pair."""
+    per context length, then the pooled row when there are several. Raises ValueError when none pair or a side
+    answers a document twice."""
     tasks = set(T.GROUPS.get(task, [task]))
+    for side, samples in (("A", a), ("B", b)):
+        keys = [(s.task, s.doc_id) for s in samples if s.task in tasks]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{side} answers some documents more than once (two runs of one length pooled?)")
     a_by = {(s.task, s.doc_id): s for s in a if s.task in tasks}
     common = [s for s in b if s.task in tasks and (s.task, s.doc_id) in a_by]
     if not common:
