@@ -243,8 +243,8 @@ class CacheConfig:
         _validate(self)
 
 
-SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank", "quest_half", "quest_quarter", "max_logit",
-                    "max_logit_b1", "max_logit_b2", "max_logit_b4")
+SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank", "quest_half", "quest_quarter",
+                    "max_logit", "max_logit_b1", "max_logit_b2", "max_logit_b4")
 """What ranks candidate blocks (``SparseConfig.selection_score``)."""
 
 FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_logit", "max_logit_b1", "max_logit_b2",

@@ -81,7 +81,8 @@ def paired_diff(a: list[Sample], b: list[Sample], task: str = "niah") -> list[Pa
 
 
 def render(rows: list[PairedRow], name_a: str, name_b: str, task: str) -> str:
-    out = [f"`{task}`: A = `{name_a}`, B = `{name_b}`; B - A in points, 95% interval paired over the same documents", "",
+    out = [f"`{task}`: A = `{name_a}`, B = `{name_b}`; B - A in points, 95% interval paired over the same "
+           "documents", "",
            "| context | n | A | B | B - A |", "|---|---|---|---|---|"]
     for r in rows:
         ci = "" if r.ci95 is None else f" ±{r.ci95:.1f}"
