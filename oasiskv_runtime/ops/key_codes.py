@@ -26,7 +26,7 @@ import torch
 
 from oasiskv_runtime.ops.score_topk import _gather_summaries
 
-__all__ = ["CODE_BITS", "coded_scores", "pack_codes", "unpack_codes"]
+__all__ = ["CODE_BITS", "code_levels", "coded_scores", "pack_codes", "unpack_codes"]
 
 CODE_BITS = (1, 2, 4, 8)
 """Bits per key dimension the format packs (a divisor of 8)."""
@@ -39,16 +39,21 @@ def _check(bits: int, head_dim: int) -> None:
         raise ValueError(f"head_dim={head_dim} x bits={bits} is not a whole number of bytes")
 
 
+def code_levels(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(levels, step)``: each key dimension's nearest level ``0 .. 2**bits - 1`` between ``lo`` and ``hi`` (fp32,
+    broadcast against ``keys``) and the levels' spacing, so ``lo + levels * step`` is the coded key."""
+    step = (hi - lo) / float(2 ** bits - 1)
+    pos = torch.where(step > 0, (keys - lo) / step.clamp_min(torch.finfo(step.dtype).tiny), 0.0)
+    return pos.round_().clamp_(0, 2 ** bits - 1), step
+
+
 def pack_codes(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
     """``keys`` ``[n, block_size, Hkv, D]`` of ``n`` full blocks, ``lo`` / ``hi`` ``[n, Hkv, D]`` their min/max ->
     ``uint8`` ``[n, block_size, Hkv, D * bits / 8]``."""
     D = keys.shape[-1]
     _check(bits, D)
-    levels = float(2 ** bits - 1)
-    lo, hi = lo.float().unsqueeze(1), hi.float().unsqueeze(1)
-    step = (hi - lo) / levels
-    pos = torch.where(step > 0, (keys.float() - lo) / step.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    codes = pos.round_().clamp_(0, levels).to(torch.uint8)                                  # [n, bs, Hkv, D]
+    levels, _ = code_levels(keys.float(), lo.float().unsqueeze(1), hi.float().unsqueeze(1), bits)
+    codes = levels.to(torch.uint8)                                                          # [n, bs, Hkv, D]
     per = 8 // bits
     codes = codes.view(*codes.shape[:-1], D // per, per).to(torch.int32)
     shifts = torch.arange(per, device=keys.device, dtype=torch.int32) * bits

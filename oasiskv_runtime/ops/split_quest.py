@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv_runtime.ops.attention_mass import score_candidate_blocks
+from oasiskv_runtime.ops.key_codes import code_levels
 
 __all__ = ["CODED_BITS", "SPLIT_PARTS", "coded_max_logit_scores", "split_quest_scores"]
 
@@ -82,14 +83,12 @@ def coded_max_logit_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     :func:`split_quest_scores`; ``bits >= 1``."""
     if bits < 1:
         raise ValueError(f"bits={bits} must be >= 1")
-    levels = float(2 ** bits - 1)
 
     def coded_max(qh: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         B, J, bs, D = keys.shape
-        lo, hi = keys.amin(dim=2, keepdim=True), keys.amax(dim=2, keepdim=True)              # [B, J, 1, D]
-        step = (hi - lo) / levels
-        codes = torch.where(step > 0, (keys - lo) / step.clamp_min(torch.finfo(keys.dtype).tiny), 0.0).round_()
-        coded = (lo + codes * step).view(B, J * bs, D)
+        lo = keys.amin(dim=2, keepdim=True)                                                  # [B, J, 1, D]
+        levels, step = code_levels(keys, lo, keys.amax(dim=2, keepdim=True), bits)
+        coded = (lo + levels * step).view(B, J * bs, D)
         logits = torch.bmm(qh, coded.transpose(1, 2))                                       # [B, g, J * bs]
         return logits.view(B, -1, J, bs).amax(dim=3).amax(dim=1)
 
