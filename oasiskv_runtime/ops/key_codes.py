@@ -24,9 +24,10 @@ from typing import Optional
 
 import torch
 
+from oasiskv_runtime.ops.attention_mass import candidate_blocks
 from oasiskv_runtime.ops.score_topk import _gather_summaries
 
-__all__ = ["CODE_BITS", "code_levels", "coded_scores", "pack_codes", "unpack_codes"]
+__all__ = ["CODE_BITS", "code_levels", "coded_scores", "level_step", "pack_codes", "unpack_codes"]
 
 CODE_BITS = (1, 2, 4, 8)
 """Bits per key dimension the format packs (a divisor of 8)."""
@@ -39,10 +40,15 @@ def _check(bits: int, head_dim: int) -> None:
         raise ValueError(f"head_dim={head_dim} x bits={bits} is not a whole number of bytes")
 
 
+def level_step(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+    """The spacing of the ``2**bits`` levels from ``lo`` to ``hi``: a coded key is ``lo + level * step``."""
+    return (hi - lo) / float(2 ** bits - 1)
+
+
 def code_levels(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(levels, step)``: each key dimension's nearest level ``0 .. 2**bits - 1`` between ``lo`` and ``hi`` (fp32,
-    broadcast against ``keys``) and the levels' spacing, so ``lo + levels * step`` is the coded key."""
-    step = (hi - lo) / float(2 ** bits - 1)
+    broadcast against ``keys``) and :func:`level_step`, so ``lo + levels * step`` is the coded key."""
+    step = level_step(lo, hi, bits)
     pos = torch.where(step > 0, (keys - lo) / step.clamp_min(torch.finfo(step.dtype).tiny), 0.0)
     return pos.round_().clamp_(0, 2 ** bits - 1), step
 
@@ -85,11 +91,9 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     if got is None:
         return torch.empty((B, hkv, 0), dtype=torch.float32, device=q.device)
     qf, lo, hi, ok = got                                                   # [B, Hkv, g, D], [B, J, Hkv, D] x 2
-    J, bs = ok.shape[1], codes.shape[1]
-    j = torch.arange(J, device=q.device)
-    blocks = block_table.to(q.device, torch.int64)[:, j.clamp_max(block_table.shape[1] - 1)]
-    blocks = torch.where(ok, blocks, torch.zeros_like(blocks)).clamp_min(0)                  # padding reads block 0
-    step = (hi - lo) / float(2 ** bits - 1)
+    bs = codes.shape[1]
+    _, J, _, blocks = candidate_blocks(q, block_table, num_candidates, hkv, ok.shape[1])    # padding reads block 0
+    step = level_step(lo, hi, bits)
     out = torch.empty((B, hkv, J), dtype=torch.float32, device=q.device)
     for h in range(hkv):  # one KV head at a time keeps the decoded keys [B, J, bs, D] small
         level = unpack_codes(codes[:, :, h][blocks], bits).float()                         # [B, J, bs, D]
