@@ -66,25 +66,21 @@ def _inputs(bs: int, seed: int):
     return (*scorer_inputs(bs, seed), 2)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("bs,parts,bound", [(16, 2, None), (16, 4, 13), (8, 0, None), (12, 3, 17), (4, 1, None)])
-def test_split_quest_scores_equal_brute_force(device, bs, parts, bound):
-    """``bound``: a host bound above the real counts (the static layout of CUDA graphs passes its bucket)."""
-    q, k_cache, table, num_candidates, hkv = _inputs(bs, torch.seed() % (2**31))
-    got = split_quest_scores(q.to(device), k_cache.to(device), table.to(device), num_candidates.to(device), hkv,
-                             parts, bound).cpu()
-    assert_block_scores(got, brute_force_split(q, k_cache, table, num_candidates, parts), num_candidates,
-                        bound or 11)
+FULL_KEY_OPS = {"split": (split_quest_scores, brute_force_split), "coded": (coded_max_logit_scores, brute_force_coded)}
+"""The op and its float64 reference, each taking the run count (``split``) or the bits (``coded``) last."""
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("bs,bits,bound", [(16, 1, None), (16, 2, 13), (8, 4, None), (12, 3, 17)])
-def test_coded_max_logit_scores_equal_brute_force(device, bs, bits, bound):
+@pytest.mark.parametrize("op,bs,arg,bound", [("split", 16, 2, None), ("split", 16, 4, 13), ("split", 8, 0, None),
+                                             ("split", 12, 3, 17), ("split", 4, 1, None), ("coded", 16, 1, None),
+                                             ("coded", 16, 2, 13), ("coded", 8, 4, None), ("coded", 12, 3, 17)])
+def test_full_key_scores_equal_brute_force(device, op, bs, arg, bound):
+    """``arg``: runs a block (``split``; 0: one key a run) or bits a key dimension (``coded``); ``bound``: a host
+    bound above the real counts (the static layout of CUDA graphs passes its bucket)."""
+    score, reference = FULL_KEY_OPS[op]
     q, k_cache, table, num_candidates, hkv = _inputs(bs, torch.seed() % (2**31))
-    got = coded_max_logit_scores(q.to(device), k_cache.to(device), table.to(device), num_candidates.to(device), hkv,
-                                 bits, bound).cpu()
-    assert_block_scores(got, brute_force_coded(q, k_cache, table, num_candidates, bits), num_candidates,
-                        bound or 11)
+    got = score(q.to(device), k_cache.to(device), table.to(device), num_candidates.to(device), hkv, arg, bound).cpu()
+    assert_block_scores(got, reference(q, k_cache, table, num_candidates, arg), num_candidates, bound or 11)
 
 
 def test_coded_keys_rank_between_the_box_and_the_keys():
