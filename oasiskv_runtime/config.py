@@ -247,9 +247,12 @@ SELECTION_SCORES = ("quest", "minmax_mass", "attention", "gauss", "quest_rank", 
                     "max_logit", "max_logit_b1", "max_logit_b2", "max_logit_b4")
 """What ranks candidate blocks (``SparseConfig.selection_score``)."""
 
-FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_logit", "max_logit_b1", "max_logit_b2",
-                   "max_logit_b4")
+FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_logit")
 """Study rankings that read every candidate block's keys at every step (the full KV must be on the device)."""
+
+CODED_KEY_SCORES = {"max_logit_b1": 1, "max_logit_b2": 2, "max_logit_b4": 4}
+"""Rankings from keys coded in a few bits per dimension (``selection_score`` -> bits), which the embedded engine keeps
+on the device beside the summaries (``core/key_codes.py``): every mode."""
 
 SUMMARY_SCORES = tuple(s for s in SELECTION_SCORES if s not in FULL_KEY_SCORES)
 """Rankings from the key summaries (what ``summary_parts`` changes)."""
@@ -299,8 +302,10 @@ class SparseConfig:
         "block_size runs of each block's keys, the block's best run: the ranking of summaries 2x / 4x as fine with "
         "the same fetch unit, computed from every key at every step; a study setting, sparse-resident only); "
         "max_logit_b1 / _b2 / _b4 (each block's largest logit over its keys coded in 1 / 2 / 4 bits per dimension "
-        "within the block's min/max: a summary of bits/16 of the key cache, computed from every key at every step; "
-        "a study setting, sparse-resident only).",
+        "within the block's min/max, codes the engine keeps on the device beside the summaries: bits/16 of a bf16 "
+        "key cache, taken from the device budget; every mode of the embedded engine, not with summary_parts, "
+        "accept_drafts, prefill-decode or prefix-cache hits; max_logit_b2 ranks like the exact attention mass on "
+        "SmolLM2 at 1/8 of 2K-4K, docs/accuracy.md).",
         "quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter, max_logit, max_logit_b1, "
         "max_logit_b2 or max_logit_b4",
         lambda v: v in SELECTION_SCORES)
@@ -360,6 +365,9 @@ class SparseConfig:
         if self.demand_fetch_cap and not self.demand_fetch:
             raise ValueError(f"demand_fetch_cap={self.demand_fetch_cap} needs demand_fetch=true (it bounds what "
                              "demand_fetch fetches)")
+        if self.code_bits and self.accept_drafts:
+            raise ValueError(f"selection_score={self.selection_score!r} does not run with accept_drafts yet (the key "
+                             "codes are written as a block fills, and an accepted draft can fill one)")
         if self.summary_parts > 1 and self.selection_score in SUMMARY_SCORES and self.selection_score != "quest":
             raise ValueError(f"summary_parts={self.summary_parts} scores blocks by Quest's bound of their best run "
                              f"(selection_score=quest), not {self.selection_score!r}")
@@ -392,6 +400,11 @@ class SparseConfig:
             raise ValueError(f"demand_fetch needs a prefetching mode (proxy-prefetch or oasiskv), not {mode.value}"
                              + (" (it fetches every missing block on demand already)"
                                 if mode is Mode.FETCH_ON_DEMAND else ""))
+
+    @property
+    def code_bits(self) -> int:
+        """Bits per key dimension of the key codes the engine keeps (``CODED_KEY_SCORES``; 0: none)."""
+        return CODED_KEY_SCORES.get(self.selection_score, 0)
 
     def _check_accept(self, mode: Mode) -> None:
         """``accept_drafts`` needs the draft row of oasiskv, every layer sparse (a dense layer does not attend the
@@ -547,6 +560,9 @@ class EngineConfig:
         if parts > 1 and self.pd.prefix_cache:
             raise ValueError(f"summary_parts={parts} does not run with prefix_cache yet (its entries hold one "
                              f"summary per block)")
+        if self.sparse.code_bits and self.pd.prefix_cache:
+            raise ValueError(f"selection_score={self.sparse.selection_score!r} does not run with prefix_cache yet (its "
+                             f"entries hold no key codes)")
 
     @staticmethod
     def options() -> dict[str, OptionSpec]:

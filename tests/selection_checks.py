@@ -4,6 +4,8 @@ layer and KV head, is checked against an independent score of that layer's keys.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -48,17 +50,22 @@ def assert_block_scores(got: torch.Tensor, want, num_candidates: torch.Tensor, w
 
 
 def check_sink_plus_top_k(llm, score, k: int) -> list[int]:
-    """Spy on ``llm``'s predictor (sparse-resident, ``sink_blocks=1``, ``top_k_blocks=k``): each prediction must be
-    block 0 plus the ``k - 1`` best other candidates of ``score(query, layer_keys, batch)`` (``[B][Hkv]`` lists of
-    per-candidate scores, computed by the caller's own reference). Returns a one-item list counting the (step,
-    layer, KV head) choices checked, which grows as the engine runs."""
+    """Spy on ``llm``'s predictor (``sink_blocks=1``, ``top_k_blocks=k``): each prediction must be block 0 plus the
+    ``k - 1`` best other candidates of ``score(query, layer_keys, batch)`` (``[B][Hkv]`` lists of per-candidate
+    scores, computed by the caller's own reference over ``batch.num_candidates``). ``layer_keys``: the layer's full
+    keys, which ``batch.primary_table`` indexes (the device cache in sparse-resident, the host pool in host-pool
+    modes); a prediction for the next step (the prefetching modes, the working-set fill) ranks the next step's
+    candidates. Returns a one-item list counting the (step, layer, KV head) choices checked, which grows as the
+    engine runs."""
     backend, checked = llm.engine.backend, [0]
     predictor = backend.predictor
     real = predictor.predict
+    full_keys = backend.pool.k if backend.pool is not None else backend.dev_cache.k
 
     def spy(layer, query, batch, next_step, int32=False, **kw):
         ids = real(layer, query, batch, next_step, int32, **kw)
-        for b, per_head in enumerate(score(query, backend.dev_cache.k[layer], batch)):
+        ranked = dataclasses.replace(batch, num_candidates=batch.next_candidates) if next_step else batch
+        for b, per_head in enumerate(score(query, full_keys[layer], ranked)):
             for h, s in enumerate(per_head):
                 rest = sorted(range(1, len(s)), key=lambda j: -s[j])[:k - 1]
                 assert sorted(int(j) for j in ids[b, h] if j >= 0) == sorted([0] + rest)

@@ -1,15 +1,23 @@
-"""The device format of keys coded in a few bits (``ops/key_codes.py``): packing, and a score that reads only the
-codes and the min/max summaries equals the study setting the NIAH runs measured (``coded_max_logit_scores``, which
-codes the full keys)."""
+"""Keys coded in a few bits (``ops/key_codes.py``, ``selection_score = "max_logit_b2"``): packing, and a score that
+reads only the codes and the min/max summaries equals the study setting the NIAH runs measured
+(``coded_max_logit_scores``, which codes the full keys); then the engine that keeps them: code blocks in the device
+budget, rows that alias no other block (a covering budget equals dense in every sparse mode), the refusals, and on
+CUDA captured graphs. That its predictions are the top-K of the codes of the full keys is in test_split_quest.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from oasiskv_runtime import LLM, SamplingParams
+from oasiskv_runtime.config import EngineConfig, Mode
+from oasiskv_runtime.core.summaries import KeyCodes
+from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
+from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.ops.key_codes import coded_scores, pack_codes, unpack_codes
 from oasiskv_runtime.ops.split_quest import coded_max_logit_scores
 from tests.selection_checks import scorer_inputs
+from tests.tiny_models import write_tiny
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -73,3 +81,131 @@ def test_formats_that_are_not_whole_bytes_are_refused():
         pack_codes(keys, keys.amin(1), keys.amax(1), 3)
     with pytest.raises(ValueError, match="head_dim=20 x bits=1 is not a whole number of bytes"):
         pack_codes(keys, keys.amin(1), keys.amax(1), 1)
+
+
+# ---- the engine that keeps them ------------------------------------------------------------------------------------
+SPARSE = ["sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"]
+PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+KV_GB = 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny(tmp_path_factory.mktemp("codes"), "qwen3", max_position_embeddings=128))
+
+
+def _tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("element_size,bits,rows", [(2, 2, 16), (2, 4, 8), (2, 1, 32), (4, 2, 32)])
+def test_code_blocks_per_request_and_their_rows(element_size, bits, rows):
+    """A device block holds ``16 * element_size / bits`` code rows (its K bytes then its V bytes); a request holds
+    cdiv(blocks, rows) code blocks, grown a token at a time, counted among its device blocks and freed with it; every
+    row is its own and lies in its block's K or V bytes of the K/V pair viewed as rows; the scratch request (CUDA
+    graphs' padding rows) holds one."""
+    assert KeyCodes.rows_per_block(element_size, bits) == rows
+    bs, n_dev = 4, 300
+    kv = KVCacheManager(Mode.OASISKV, bs, num_device_blocks=n_dev, num_host_blocks=400, top_k_blocks=3,
+                        max_model_len=2000, code_rows_per_block=rows)
+    seqs = [Sequence(list(range(n)), SamplingParams(max_tokens=300)) for n in (13, 70)]
+    for s in seqs:
+        assert kv.allocate(s, len(s.prompt_token_ids))
+        s.num_computed_tokens = len(s.prompt_token_ids)
+    s = seqs[0]
+    for n in range(14, 14 + 2 * rows * bs):
+        assert kv.allocate(s, 1)
+        s.num_computed_tokens = n
+        rb = kv.blocks(s)
+        assert len(rb.code_blocks) == cdiv(cdiv(n, bs), rows) and len(rb.code_rows) == rows * len(rb.code_blocks)
+        assert rb.num_device_blocks == 3 + 1 + len(rb.summary_blocks) + len(rb.code_blocks)
+    half = rows // 2
+    for rb in (kv.blocks(x) for x in seqs):
+        for i, p in enumerate(rb.code_blocks):
+            mine = rb.code_rows[i * rows:(i + 1) * rows]
+            assert mine == [p * half + r for r in range(half)] + [(n_dev + p) * half + r for r in range(half)]
+    every = kv.blocks(seqs[0]).code_rows + kv.blocks(seqs[1]).code_rows
+    assert len(set(every)) == len(every)
+    assert not set(kv.blocks(seqs[0]).code_blocks) & set(kv.blocks(seqs[0]).summary_blocks + kv.blocks(seqs[0]).ws_blocks)
+    for x in seqs:
+        kv.free(x)
+    assert kv.device_pool.num_free == n_dev
+    assert kv.add_scratch_request(Sequence([1], SamplingParams(max_tokens=1)))
+    assert kv.device_pool.num_free == n_dev - 3 and len(next(iter(kv.requests.values())).code_rows) == rows
+
+
+def test_key_codes_count_against_the_device_budget(tiny):
+    """The same request needs its code blocks on top of the working set and summaries: at a budget that holds it
+    without codes but not with them, the engine refuses it with the count."""
+    kw = dict(mode="oasiskv", top_k_blocks=3, block_size=4, draft="ngram")
+    base = LLM(tiny, kv_cache_gb=KV_GB, **kw).engine.kv
+    coded = LLM(tiny, kv_cache_gb=KV_GB, selection_score="max_logit_b2", **kw).engine.kv
+    seq = Sequence(list(range(100)), SamplingParams(max_tokens=20))
+    need = lambda kv: kv._needs(seq, 120)[0]  # noqa: E731
+    assert need(coded) == need(base) + cdiv(30, coded.code_rows_per_block) and coded.code_rows_per_block == 32
+    budget = need(base) * LLM(tiny, kv_cache_gb=KV_GB, **kw).engine.block_bytes
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert len(_tokens(LLM(tiny, kv_cache_bytes=budget, **kw), [seq.prompt_token_ids], params)[0]) == 20
+    with pytest.raises(ValueError, match=f"need {need(coded)} device blocks in mode oasiskv, the budget holds "
+                                         f"{need(base)}"):
+        LLM(tiny, kv_cache_bytes=budget, selection_score="max_logit_b2", **kw).generate([seq.prompt_token_ids], params)
+
+
+@pytest.mark.parametrize("mode", SPARSE)
+def test_a_covering_budget_with_key_codes_equals_dense(tiny, mode, monkeypatch):
+    """Every block selected: dense's tokens in every sparse mode, so the code rows written at every step overwrite no
+    KV, summary or working-set byte; and every prediction read the stored codes."""
+    from oasiskv_runtime.core.predictor import Predictor
+
+    calls, real = [], Predictor._coded
+    monkeypatch.setattr(Predictor, "_coded", lambda self, *a: calls.append(1) or real(self, *a))
+    dense = _tokens(LLM(tiny, kv_cache_gb=KV_GB))
+    llm = LLM(tiny, mode=mode, selection_score="max_logit_b2", top_k_blocks=40, block_size=4,
+              max_num_batched_tokens=16, draft="ngram", kv_cache_gb=KV_GB)
+    assert _tokens(llm) == dense and calls
+
+
+def test_refusals_and_a_running_engine_keeps_its_codes(tiny):
+    with pytest.raises(ValueError, match="selection_score='max_logit_b2' does not run with prefix_cache"):
+        EngineConfig.from_overrides("qwen3-8b", mode="oasiskv", selection_score="max_logit_b2", prefix_cache=True)
+    llm = LLM(tiny, mode="oasiskv", selection_score="max_logit_b2", top_k_blocks=3, block_size=4, kv_cache_gb=KV_GB,
+              draft="ngram")
+    be = llm.engine.backend
+    be.configure(selection_score="quest")                          # codes are still written, quest ranks
+    be.configure(selection_score="max_logit_b2")
+    with pytest.raises(ValueError, match="max_logit_b4.*reads key codes of 4 bits, which are kept from the start"):
+        be.configure(selection_score="max_logit_b4")
+    plain = LLM(tiny, mode="oasiskv", top_k_blocks=3, block_size=4, kv_cache_gb=KV_GB, draft="ngram")
+    with pytest.raises(ValueError, match="reads key codes of 2 bits, which are kept from the start"):
+        plain.engine.backend.configure(selection_score="max_logit_b2")
+    params = SamplingParams(max_tokens=2)
+    for extra in (dict(stage_kv=True), dict(prefix=([0], torch.zeros(0), torch.zeros(0)))):
+        with pytest.raises(ValueError, match="does not run with prefill-decode hand-off or prefix-cache hits yet "
+                                             r"\(they carry no key codes\)"):
+            llm.engine.add_request(PROMPTS[0], params, **extra)
+    from oasiskv_runtime.pd.workers import check_pd_config
+
+    with pytest.raises(ValueError, match="'max_logit_b2' is not supported with prefill-decode"):
+        check_pd_config(llm.config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["sparse-resident", "oasiskv"])
+def test_key_codes_on_cuda_with_captured_graphs(tiny, mode):
+    """On CUDA (Triton summaries and ranking, decode steps replayed from captured graphs) at a small budget: graphs
+    give the eager steps' tokens, and eager steps rank as the codes of the full keys do (test_split_quest's check)."""
+    from tests.selection_checks import check_sink_plus_top_k
+    from tests.test_split_quest import brute_force_coded
+
+    kw = dict(mode=mode, device="cuda", selection_score="max_logit_b2", top_k_blocks=3, block_size=4, sink_blocks=1,
+              max_num_batched_tokens=32, draft="ngram", kv_cache_gb=KV_GB)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    graphed = LLM(tiny, cuda_graphs="auto", **kw)
+    got = _tokens(graphed, PROMPTS, greedy)
+    st = graphed.engine.run_stats()
+    assert st["graph_replays"] > 0 and st["graphs_disabled"] is None
+    eager = LLM(tiny, cuda_graphs="off", **kw)
+    checked = check_sink_plus_top_k(
+        eager, lambda q, keys, b: brute_force_coded(q, keys.cpu(), b.primary_table.cpu(), b.num_candidates.cpu(), 2), 3)
+    assert got == _tokens(eager, PROMPTS, greedy) and checked[0] > 100

@@ -14,7 +14,8 @@ import torch
 from oasiskv_runtime import LLM, SamplingParams
 from oasiskv_runtime.config import EngineConfig
 from oasiskv_runtime.ops.score_topk import quest_scores_ref
-from oasiskv_runtime.ops.split_quest import CODED_BITS, SPLIT_PARTS, coded_max_logit_scores, split_quest_scores
+from oasiskv_runtime.config import CODED_KEY_SCORES as CODED_BITS
+from oasiskv_runtime.ops.split_quest import SPLIT_PARTS, coded_max_logit_scores, split_quest_scores
 from tests.selection_checks import assert_block_scores, brute_force_blocks, check_sink_plus_top_k, scorer_inputs
 from tests.tiny_models import write_tiny
 
@@ -146,10 +147,22 @@ def test_a_split_that_does_not_divide_the_block_is_refused():
 
 @pytest.mark.parametrize("name", sorted(SPLIT_PARTS) + sorted(CODED_BITS))
 def test_split_quest_needs_sparse_resident_and_not_vllm(name):
+    """The split bounds read every key (sparse-resident only); the coded keys are kept on the device, so they run in
+    every mode of the embedded engine, but not with what would need codes it does not write or carry."""
     assert EngineConfig.from_overrides("qwen3-8b", mode="sparse-resident", selection_score=name)
     for mode in ("dense", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
+        if name in CODED_BITS:
+            assert EngineConfig.from_overrides("qwen3-8b", mode=mode, selection_score=name).sparse.code_bits == \
+                CODED_BITS[name]
+            continue
         with pytest.raises(ValueError, match=f"selection_score='{name}' needs mode sparse-resident.*{mode}"):
             EngineConfig.from_overrides("qwen3-8b", mode=mode, selection_score=name)
+    if name in CODED_BITS:
+        with pytest.raises(ValueError, match=f"selection_score='{name}' does not run with accept_drafts"):
+            EngineConfig.from_overrides("qwen3-8b", mode="oasiskv", selection_score=name, accept_drafts=True,
+                                        draft="ngram")
+        with pytest.raises(ValueError, match="summary_parts=2 scores blocks by Quest's bound"):
+            EngineConfig.from_overrides("qwen3-8b", mode="oasiskv", selection_score=name, summary_parts=2)
     from oasiskv_runtime.vllm.options import VllmOptions
 
     with pytest.raises(ValueError, match=f"selection_score '{name}' does not run on vLLM"):
@@ -192,3 +205,20 @@ def test_split_quest_keeps_the_top_k_of_its_score_on_the_real_keys(tiny, name):
     checked = check_sink_plus_top_k(llm, score, k)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert checked[0] == 5 * 5 * 3  # decode steps (the first token comes from the prefill) x layers x KV heads
+
+
+@pytest.mark.parametrize("mode,graphs", [("oasiskv", "off"), ("oasiskv", "static"), ("fetch-on-demand", "static")])
+def test_key_codes_kept_on_the_device_rank_like_codes_of_the_full_keys(tiny, mode, graphs):
+    """``max_logit_b2`` in the modes whose full KV is in the host pool: the ranking reads only the codes the engine
+    wrote into its device blocks (prefill chunks that fill blocks, every decode step's active block) and the min/max
+    summaries, yet every prediction (the working-set fill, oasiskv's next-step prefetch from the draft row,
+    fetch-on-demand's own step) is the sink plus the top-K of the coded score computed independently from the full
+    keys in the host pool. Prefill in chunks of 29 tokens so blocks fill across chunk boundaries; two requests; decode
+    steps eager or on the static layout of CUDA graphs (the code table and the active block's row as static inputs)."""
+    k = 3
+    llm = LLM(tiny, mode=mode, selection_score="max_logit_b2", top_k_blocks=k, block_size=4, sink_blocks=1,
+              kv_cache_gb=KV_GB, draft="ngram", max_num_batched_tokens=29, cuda_graphs=graphs)
+    checked = check_sink_plus_top_k(
+        llm, lambda q, keys, batch: brute_force_coded(q, keys, batch.primary_table, batch.num_candidates, 2), k)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    assert checked[0] >= 8 * 5 * 3 * 2  # at least one prediction per decode step, layer, KV head and request

@@ -54,6 +54,10 @@ class DecodeBatch:
     """The step stamped into selections (a 0-d device tensor on the static layout of CUDA graphs)."""
     separate_draft_rows: bool = False
     """Every request has its own draft row, used or not (the static layout)."""
+    code_table: torch.Tensor | None = None
+    """[B, NB] int64 (key codes, ``core/summaries.KeyCodes``): the code row of each logical block."""
+    code_row: torch.Tensor | None = None
+    """[B] int64 (key codes): the code row of the active block, rewritten from its keys every decode step."""
     gap_block: torch.Tensor | None = None
     """[B] int64 (accepted drafts): the local device block holding the block before the active one where the last
     prediction could not rank it (an accepted draft completed it), attended besides the working set; else -1."""

@@ -20,8 +20,9 @@ engine does not keep): sparse-resident only.
 runs of each block's keys, the block's best run (:func:`split_quest_scores`): finer summaries with the same fetch unit,
 computed from the full keys (a study): sparse-resident only.
 ``selection_score="max_logit_b1"`` / ``"_b2"`` / ``"_b4"`` rank by each block's largest logit over its keys coded in
-1 / 2 / 4 bits per dimension within the block's min/max (:func:`coded_max_logit_scores`; a study of a summary the
-engine does not keep, from the full keys): sparse-resident only.
+1 / 2 / 4 bits per dimension within the block's min/max (:func:`coded_scores`), read from the codes the engine keeps
+on the device (``codes``, :class:`KeyCodes`, addressed by ``batch.code_table``) and the min/max summaries: every
+mode.
 ``summary_parts > 1`` (with ``quest``): the engine keeps that many summary rows per block (each for a run of
 ``block_size / parts`` keys) and a block scores its best run's bound, from the summaries alone: every mode.
 """
@@ -30,20 +31,23 @@ from __future__ import annotations
 
 import torch
 
+from oasiskv_runtime.config import CODED_KEY_SCORES
 from oasiskv_runtime.core.batch import DecodeBatch
-from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.core.summaries import KeyCodes, KeySummaries
 from oasiskv_runtime.ops.attended import keep_blocks_
 from oasiskv_runtime.ops.attention_mass import block_attention_mass
 from oasiskv_runtime.ops.gauss_mass import gauss_mass_scores
-from oasiskv_runtime.ops.split_quest import CODED_BITS, SPLIT_PARTS, coded_max_logit_scores, split_quest_scores
+from oasiskv_runtime.ops.key_codes import coded_scores
+from oasiskv_runtime.ops.split_quest import SPLIT_PARTS, split_quest_scores
 from oasiskv_runtime.ops.score_topk import minmax_mass_scores, quest_rank_scores, quest_scores, rank_topk
 
 
 class Predictor:
     def __init__(self, summaries: KeySummaries, num_kv_heads: int, k_slots: int, sink_blocks: int = 0,
                  backend: str = "auto", selection_score: str = "quest", keys: list[torch.Tensor] | None = None,
-                 scale: float = 1.0, recent_blocks: int = 0, summary_parts: int = 1) -> None:
-        self.summaries, self.hkv, self.k_slots = summaries, num_kv_heads, k_slots
+                 scale: float = 1.0, recent_blocks: int = 0, summary_parts: int = 1,
+                 codes: KeyCodes | None = None) -> None:
+        self.summaries, self.hkv, self.k_slots, self.codes = summaries, num_kv_heads, k_slots, codes
         self.summary_parts = summary_parts
         """Summary rows per logical block (``SparseConfig.summary_parts``): block ``j``'s are sub-blocks
         ``j * parts .. j * parts + parts - 1``, addressed like blocks; quest scores a block by its best one."""
@@ -72,9 +76,8 @@ class Predictor:
         elif self.selection_score in SPLIT_PARTS:
             scores = split_quest_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
                                         SPLIT_PARTS[self.selection_score], max_candidates)
-        elif self.selection_score in CODED_BITS:
-            scores = coded_max_logit_scores(query, self.keys[layer], batch.primary_table, num_candidates, self.hkv,
-                                            CODED_BITS[self.selection_score], max_candidates)
+        elif self.selection_score in CODED_KEY_SCORES:
+            scores = self._coded(layer, query, batch, num_candidates, max_candidates)
         elif self.selection_score == "quest_rank":
             sum_min, sum_max = self.summaries.read(layer)
             scores = quest_rank_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
@@ -90,6 +93,17 @@ class Predictor:
             scores = quest_scores(query, sum_min, sum_max, batch.summary_table, num_candidates, self.hkv,
                                   max_candidates, backend=self.backend)
         return self.rank(scores, num_candidates, int32=int32, keep=keep)
+
+    def _coded(self, layer: int, query: torch.Tensor, batch: DecodeBatch, num_candidates: torch.Tensor,
+               max_candidates: int | None) -> torch.Tensor:
+        """Each candidate block's largest logit over its coded keys, from the stored codes and the min/max rows."""
+        bits = CODED_KEY_SCORES[self.selection_score]
+        if self.codes is None or self.codes.bits != bits or batch.code_table is None:
+            raise ValueError(f"selection_score={self.selection_score!r} reads key codes of {bits} bits that this "
+                             f"engine does not keep (it keeps them when it starts with that score)")
+        sum_min, sum_max = self.summaries.read(layer)
+        return coded_scores(query, self.codes.read(layer), sum_min, sum_max, batch.code_table, batch.summary_table,
+                            num_candidates, self.hkv, bits, max_candidates)
 
     def _sub_block_quest(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
                          num_candidates: torch.Tensor, max_candidates: int | None) -> torch.Tensor:

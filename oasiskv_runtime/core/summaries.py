@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv_runtime.core.batch import SummaryWrites
+from oasiskv_runtime.ops.key_codes import check_code_bits, pack_codes
 from oasiskv_runtime.ops.summary_update import update_summaries, update_summaries_runs
 
 
@@ -49,3 +50,40 @@ class KeySummaries:
         """Rows ``rows: [n]`` of every layer as ``([L, n, Hkv, D], [L, n, Hkv, D])`` CPU tensors (mins, maxs)."""
         pick = lambda stores: torch.stack([self._flat(s)[rows] for s in stores]).cpu()  # noqa: E731
         return pick(self.mins), pick(self.maxs)
+
+
+class KeyCodes:
+    """Keys coded in ``bits`` bits per dimension within their block's min/max (``ops/key_codes.py``; what
+    ``selection_score = "max_logit_b2"`` ranks by): one code row ``[block_size, Hkv, D * bits / 8]`` uint8 per logical
+    block. They live in blocks of the device KV cache, as the summaries do, so they count against the same budget:
+    a cache block's K and V bytes hold :meth:`rows_per_block` code rows (16 for bf16 at 2 bits: 1/16 of the KV per
+    logical block). ``codes[l]`` views layer ``l``'s K/V pair ``[2, num_blocks, block_size, Hkv, D]`` as code rows:
+    block ``p``'s K bytes are rows ``p * h .. p * h + h - 1`` and its V bytes rows ``(num_blocks + p) * h ..``, with
+    ``h`` = half of :meth:`rows_per_block` (``engine/kv_cache_manager.py`` lists a request's rows).
+
+    A block's codes are final once it is full (its min/max no longer move): the engine writes a block's row from its
+    keys when a prefill chunk fills it, and at every decode step the active block's (partial until the step that
+    fills it, whose write is the last; a selection ranks only full blocks)."""
+
+    def __init__(self, kv_pairs: list[torch.Tensor], bits: int) -> None:
+        _, _, bs, hkv, d = kv_pairs[0].shape
+        check_code_bits(bits, d)
+        self.bits = bits
+        self.codes = [pair.view(torch.uint8).view(-1, bs, hkv, d * bits // 8) for pair in kv_pairs]
+
+    @staticmethod
+    def rows_per_block(element_size: int, bits: int) -> int:
+        """Code rows one cache block (its K and V) holds: ``2 * D * element_size`` bytes a token and KV head,
+        against ``D * bits / 8`` a code."""
+        return 16 * element_size // bits
+
+    def read(self, layer: int) -> torch.Tensor:
+        return self.codes[layer]
+
+    def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """Code full (or active) blocks ``keys: [n, block_size, Hkv, D]`` within their own min/max into code rows
+        ``rows: [n]`` of layer ``layer``. The min/max are the keys' own, equal to their blocks' summary rows (the same
+        values in the cache's dtype) once a block is full."""
+        if keys.shape[0]:
+            codes = pack_codes(keys, keys.amin(dim=1), keys.amax(dim=1), self.bits)
+            self.codes[layer].index_copy_(0, rows, codes)

@@ -11,6 +11,8 @@ What a request holds depends on the mode (one manager, mode flags, no forks):
 - every sparse mode: ``summary_blocks``: device blocks holding the per-block key min/max rows, one row per
   logical block, ``block_size`` rows per summary block (1/16 of the KV at block size 16); with ``summary_parts``
   P, P rows per logical block (one per run of ``block_size / P`` tokens: sub-block ``p // (block_size / P)``).
+- with key codes (``selection_score = "max_logit_b2"``, ``core/summaries.KeyCodes``): ``code_blocks``, device blocks
+  holding one code row per logical block, ``code_rows_per_block`` rows each; ``code_rows[j]`` is logical block j's.
 - host-pool modes with a device tier (``CacheConfig.device_tier``): once the host pool is full, a request's
   full-KV blocks come from the device pool instead, listed in ``host_blocks`` as ``tier_first + device id``
   (``tier_first`` = the host pool's size), so every path that reads the pool by block id reads either part
@@ -47,6 +49,9 @@ class RequestBlocks:
     host_blocks: list[int] = field(default_factory=list)
     ws_blocks: list[int] = field(default_factory=list)
     summary_blocks: list[int] = field(default_factory=list)
+    code_blocks: list[int] = field(default_factory=list)
+    code_rows: list[int] = field(default_factory=list)
+    """The flat code row of each logical block (``code_rows_per_block`` per code block, in order)."""
     num_shared_host: int = 0
     """The first host blocks belong to a prefix cache (prefill-decode, prefill side): never freed here."""
     num_tier: int = 0
@@ -60,7 +65,7 @@ class RequestBlocks:
 
     @property
     def num_device_blocks(self) -> int:
-        return len(self.device_blocks) + len(self.ws_blocks) + len(self.summary_blocks)
+        return len(self.device_blocks) + len(self.ws_blocks) + len(self.summary_blocks) + len(self.code_blocks)
 
     @property
     def slot_blocks(self) -> list[int]:
@@ -75,9 +80,11 @@ class RequestBlocks:
 class KVCacheManager:
     def __init__(self, mode: Mode, block_size: int, num_device_blocks: int, num_host_blocks: int,
                  top_k_blocks: int, max_model_len: int, device_tier: bool = False, local_slots: int = 1,
-                 summary_parts: int = 1) -> None:
+                 summary_parts: int = 1, code_rows_per_block: int = 0) -> None:
         """``local_slots``: local blocks per working set (2 with ``accept_drafts``, see the module docstring);
-        ``summary_parts``: summary rows per logical block (``SparseConfig.summary_parts``)."""
+        ``summary_parts``: summary rows per logical block (``SparseConfig.summary_parts``); ``code_rows_per_block``:
+        key-code rows a device block holds (``KeyCodes.rows_per_block``; 0: no key codes)."""
+        self.code_rows_per_block = code_rows_per_block
         self.local_slots = local_slots
         self.summary_parts = summary_parts
         self.mode = mode
@@ -131,7 +138,7 @@ class KVCacheManager:
     def _needs(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
         """(device blocks, host blocks) a request holds once ``num_tokens`` tokens have KV."""
         nb = cdiv(num_tokens, self.block_size)
-        device = self.summary_blocks_for(nb) if self.mode.is_sparse else 0
+        device = self.summary_blocks_for(nb) + self.code_blocks_for(nb) if self.mode.is_sparse else 0
         host = 0
         if self.mode.uses_host_pool:
             host = nb
@@ -144,6 +151,18 @@ class KVCacheManager:
         """Summary blocks holding the summaries of ``num_blocks`` logical blocks (``summary_parts`` rows each,
         ``block_size`` rows per summary block)."""
         return cdiv(num_blocks * self.summary_parts, self.block_size)
+
+    def code_blocks_for(self, num_blocks: int) -> int:
+        """Device blocks holding the key codes of ``num_blocks`` logical blocks (0 without key codes)."""
+        return cdiv(num_blocks, self.code_rows_per_block) if self.code_rows_per_block else 0
+
+    def _take_code_blocks(self, rb: RequestBlocks, n: int) -> None:
+        """``n`` more code blocks for ``rb`` and their rows: block ``p``'s K half, then its V half (the layout of
+        ``KeyCodes``: the K/V pair ``[2, num_blocks, ...]`` viewed as rows)."""
+        half, total = self.code_rows_per_block // 2, self.device_pool.num_blocks
+        for p in self.device_pool.allocate(n):
+            rb.code_blocks.append(p)
+            rb.code_rows += [p * half + i for i in range(half)] + [(total + p) * half + i for i in range(half)]
 
     def check_fits_alone(self, seq: Sequence) -> None:
         """Raise when the request could not run even with the whole budget to itself."""
@@ -170,21 +189,23 @@ class KVCacheManager:
     def add_scratch_request(self, seq: Sequence) -> bool:
         """Give ``seq`` (a one-token request that never runs) blocks of its own for good: the padding rows of a
         CUDA-graph batch (engine/cuda_graphs.py) compute as this request at position 0, so everything they write
-        (their token's KV, its key summary, in host-pool modes the host row and the local block) lands in blocks
+        (their token's KV, its key summary and code, in host-pool modes the host row and the local block) lands in blocks
         no real request reads. Its working-set slots all alias its local block: a request at position 0 has no
         candidate blocks, so nothing is ever fetched into them. False (nothing held) when the pools are short."""
-        need_device = 1 + int(self.mode.is_sparse)
+        codes = int(self.code_rows_per_block > 0)  # one code block (its rows), taken last
+        need_device = 1 + int(self.mode.is_sparse) + codes
         need_host = int(self.mode.uses_host_pool)
         if need_device > self.device_pool.num_free or need_host > self.host_pool.num_free:
             return False
-        dev = self.device_pool.allocate(need_device)
+        dev = self.device_pool.allocate(need_device - codes)
         rb = RequestBlocks()
         if self.mode.uses_host_pool:
             rb.host_blocks = self.host_pool.allocate(need_host)
             rb.ws_blocks = [dev[0]] * (self.num_ws_slots(1) + 1)
         else:
             rb.device_blocks = [dev[0]]
-        rb.summary_blocks = dev[1:]
+        rb.summary_blocks = dev[1:2]
+        self._take_code_blocks(rb, codes)
         self.requests[seq.seq_id] = rb
         self.scratch_blocks = (self.scratch_blocks[0] + need_device, self.scratch_blocks[1] + need_host)
         return True
@@ -219,6 +240,8 @@ class KVCacheManager:
             cap = len(rb.device_blocks) * bs
         if self.mode.is_sparse:
             cap = min(cap, len(rb.summary_blocks) * bs * (bs // self.summary_parts))
+        if self.code_rows_per_block:
+            cap = min(cap, len(rb.code_rows) * bs)
         return cap
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -242,10 +265,14 @@ class KVCacheManager:
                 rb.ws_blocks, rb.num_local = self.device_pool.allocate(n_ws), self.local_slots
                 need_device -= n_ws
         if self.mode.is_sparse:
-            n_sum = self.summary_blocks_for(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size))
+            nb = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+            n_sum = self.summary_blocks_for(nb)
             n_sum = max(0, n_sum - len(rb.summary_blocks))
             rb.summary_blocks += self.device_pool.allocate(n_sum)
             need_device -= n_sum
+            n_code = max(0, self.code_blocks_for(nb) - len(rb.code_blocks))
+            self._take_code_blocks(rb, n_code)
+            need_device -= n_code
         if not self.mode.uses_host_pool:
             rb.device_blocks += self.device_pool.allocate(need_device)
         rb.capacity = self._capacity(rb)
@@ -255,7 +282,7 @@ class KVCacheManager:
         rb = self.requests.pop(seq.seq_id, None)
         if rb is None:
             return
-        self.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks)
+        self.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks + rb.code_blocks)
         self._free_primary(rb.host_blocks[rb.num_shared_host:])
 
     def attach_prefix(self, seq: Sequence, host_blocks: list[int]) -> None:

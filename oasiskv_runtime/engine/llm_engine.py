@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from oasiskv_runtime.config import EngineConfig
+from oasiskv_runtime.core.summaries import KeyCodes
 from oasiskv_runtime.engine.attention.dense import DenseAttention
 from oasiskv_runtime.engine.attention.oasiskv import OasisKVAttention
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager
@@ -93,10 +94,12 @@ class LLMEngine:
         host_bytes = config.cache.host_kv_bytes or self._default_host_bytes()
         num_host_blocks = host_bytes // self.block_bytes if config.mode.uses_host_pool else 0
         self.max_model_len = mc.max_position_embeddings
+        bits = config.sparse.code_bits if config.mode.is_sparse else 0
         self.kv = KVCacheManager(config.mode, bs, num_device_blocks, num_host_blocks,
                                  config.sparse.top_k_blocks, self.max_model_len, config.cache.device_tier,
                                  local_slots=2 if config.sparse.accept_drafts else 1,
-                                 summary_parts=config.sparse.summary_parts)
+                                 summary_parts=config.sparse.summary_parts,
+                                 code_rows_per_block=KeyCodes.rows_per_block(elem, bits) if bits else 0)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend = self._make_backend(num_device_blocks, num_host_blocks)
         self.runner = ModelRunner(self.model, config, self.kv, self.backend)
@@ -162,6 +165,9 @@ class LLMEngine:
         if (stage_kv or prefix is not None) and self.config.sparse.summary_parts > 1:
             raise ValueError(f"summary_parts={self.config.sparse.summary_parts} does not run with prefill-decode "
                              "hand-off or prefix-cache hits yet (they carry one summary per block)")
+        if (stage_kv or prefix is not None) and self.kv.code_rows_per_block:
+            raise ValueError(f"selection_score={self.config.sparse.selection_score!r} does not run with prefill-decode "
+                             "hand-off or prefix-cache hits yet (they carry no key codes)")
         seq = self._new_sequence(prompt_token_ids, params, request_id, arrival)
         seq.stage_kv = stage_kv
         self.scheduler.add(seq)

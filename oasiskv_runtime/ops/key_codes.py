@@ -1,9 +1,10 @@
 """Keys coded in a few bits within their block's min/max: the storage format and the score over it (issue #34).
 
-The study setting ``selection_score = "max_logit_b2"`` (:func:`~oasiskv_runtime.ops.split_quest.coded_max_logit_scores`)
-ranks blocks like the exact attention mass at 1/8 of the context (docs/accuracy.md, "Keys coded in a few bits"), but
-it codes the full keys at every step, so it needs every key on the device. This module is the format a device-resident
-copy would keep instead, and the score that reads only that copy and the min/max summaries the engine already keeps:
+``selection_score = "max_logit_b2"`` ranks blocks like the exact attention mass at 1/8 of the context
+(docs/accuracy.md, "Keys coded in a few bits"; measured first as a study op that codes the full keys at every step,
+:func:`~oasiskv_runtime.ops.split_quest.coded_max_logit_scores`, which needs every key on the device). This module is
+the format the engine keeps on the device instead (``core/summaries.KeyCodes``), and the score that reads only those
+codes and the min/max summaries:
 
 * :func:`pack_codes`: a block's keys ``[n, block_size, Hkv, D]`` and its min/max ``[n, Hkv, D]`` -> ``uint8`` codes
   ``[n, block_size, Hkv, D * bits / 8]``, the KV cache's layout with a narrow last dimension (``bits / 16`` of a bf16
@@ -15,7 +16,7 @@ copy would keep instead, and the score that reads only that copy and the min/max
 
 Codes are final only once a block is full (its min/max no longer move), which is when every candidate block is
 (a selection ranks the full blocks before the active one). Plain PyTorch on every device, nothing read back to the
-host when ``max_candidates`` is given. Not wired into the engine yet: see docs/accuracy.md for what that takes.
+host when ``max_candidates`` is given (a CUDA graph captures it).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import torch
 from oasiskv_runtime.ops.attention_mass import candidate_blocks
 from oasiskv_runtime.ops.score_topk import _gather_summaries
 
-__all__ = ["CODE_BITS", "code_levels", "coded_scores", "level_step", "pack_codes", "unpack_codes"]
+__all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "level_step", "pack_codes", "unpack_codes"]
 
 CODE_BITS = (1, 2, 4, 8)
 """Bits per key dimension the format packs (a divisor of 8)."""
 
 
-def _check(bits: int, head_dim: int) -> None:
+def check_code_bits(bits: int, head_dim: int) -> None:
+    """Raise unless ``head_dim`` keys of ``bits`` bits a dimension pack into whole bytes."""
     if bits not in CODE_BITS:
         raise ValueError(f"bits={bits} must be one of {', '.join(map(str, CODE_BITS))} (whole codes a byte)")
     if head_dim * bits % 8:
@@ -57,7 +59,7 @@ def pack_codes(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
     """``keys`` ``[n, block_size, Hkv, D]`` of ``n`` full blocks, ``lo`` / ``hi`` ``[n, Hkv, D]`` their min/max ->
     ``uint8`` ``[n, block_size, Hkv, D * bits / 8]``."""
     D = keys.shape[-1]
-    _check(bits, D)
+    check_code_bits(bits, D)
     levels, _ = code_levels(keys.float(), lo.float().unsqueeze(1), hi.float().unsqueeze(1), bits)
     codes = levels.to(torch.uint8)                                                          # [n, bs, Hkv, D]
     per = 8 // bits
@@ -68,7 +70,7 @@ def pack_codes(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """:func:`pack_codes`'s bytes ``[..., D * bits / 8]`` -> the levels ``[..., D]`` (``uint8``)."""
-    _check(bits, packed.shape[-1] * 8 // bits)
+    check_code_bits(bits, packed.shape[-1] * 8 // bits)
     per = 8 // bits
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
     codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2 ** bits - 1)

@@ -26,8 +26,9 @@ or four runs stay far under it: what a block's min/max loses is the keys' positi
 :func:`coded_max_logit_scores` asks how few bits of that position suffice: each key coded per dimension in ``bits``
 bits within its block's own min/max (``2**bits`` levels from min to max, the nearest taken), the block scored by
 its largest logit over the coded keys. ``bits`` bits per key and dimension is ``bits / 16`` of a bf16 key cache, a
-summary the engine could keep on the device beside the min/max; as a study setting it is computed from the full
-keys (``selection_score = "max_logit_b1"`` / ``"_b2"`` / ``"_b4"``, sparse-resident only)::
+summary the engine keeps on the device beside the min/max for ``selection_score = "max_logit_b1"`` / ``"_b2"`` /
+``"_b4"`` (``ops/key_codes.py``, ``core/summaries.KeyCodes``); this op, which codes the full keys at every step, is
+the reference the stored codes are tested against::
 
     k^_td = lo_d + round((k_td - lo_d) / step_d) * step_d,   step_d = (hi_d - lo_d) / (2**bits - 1)
     score_h(j) = max over i of h's group, over the block's keys t, of  q_i . k^_t
@@ -40,13 +41,11 @@ import torch
 from oasiskv_runtime.ops.attention_mass import score_candidate_blocks
 from oasiskv_runtime.ops.key_codes import code_levels
 
-__all__ = ["CODED_BITS", "SPLIT_PARTS", "coded_max_logit_scores", "split_quest_scores"]
+__all__ = ["SPLIT_PARTS", "coded_max_logit_scores", "split_quest_scores"]
 
 SPLIT_PARTS = {"quest_half": 2, "quest_quarter": 4, "max_logit": 0}
 """``selection_score`` -> sub-blocks per block (0: one per key, ``block_size``)."""
 
-CODED_BITS = {"max_logit_b1": 1, "max_logit_b2": 2, "max_logit_b4": 4}
-"""``selection_score`` -> bits per key and dimension of :func:`coded_max_logit_scores`."""
 
 
 def split_quest_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,

@@ -8,7 +8,9 @@ from oasiskv_runtime.transfer.host_memory import PinnedRegion
 
 
 class PagedKVCache:
-    """Per-layer K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Per-layer K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. On the device a layer's K and
+    V are the two halves of one tensor ``pairs[layer]`` ``[2, num_blocks, ...]``, so a block's K and V bytes can be
+    addressed as one store (the key codes, ``core/summaries.py``)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False,
@@ -16,13 +18,15 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.region = None
+        self.pairs: list[torch.Tensor] | None = None
         if pin_memory:  # one exact-size page-locked region, not 2 x layers power-of-two-rounded pinned tensors
             self.region = PinnedRegion(PinnedRegion.bytes_for(2 * num_layers, shape, dtype))
             self.k = [self.region.take(shape, dtype) for _ in range(num_layers)]
             self.v = [self.region.take(shape, dtype) for _ in range(num_layers)]
             return
-        self.k = [self._alloc(shape, dtype, device, zero) for _ in range(num_layers)]
-        self.v = [self._alloc(shape, dtype, device, zero) for _ in range(num_layers)]
+        self.pairs = [self._alloc((2, *shape), dtype, device, zero) for _ in range(num_layers)]
+        self.k = [pair[0] for pair in self.pairs]
+        self.v = [pair[1] for pair in self.pairs]
 
     @staticmethod
     def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, zero: bool) -> torch.Tensor:

@@ -2,7 +2,7 @@
 built by the model runner) to the OasisKV core (``oasiskv_runtime/core``). Per decode step and layer:
 
 1. the step's new K/V go to the full-KV store (device blocks for sparse-resident, the pool for host-pool modes), the
-   working set's local block and the key summaries;
+   working set's local block and the key summaries (and with ``max_logit_b2`` the key codes of the blocks they fill);
 2. sparse-resident and fetch-on-demand predict each KV head's attention set now (fetch-on-demand copies the missing
    blocks first); proxy-prefetch and oasiskv attend over what the previous step prefetched (``pipeline.wait``);
 3. one attention call covers the normal row and, in oasiskv, the draft row (look-ahead attention);
@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from oasiskv_runtime.config import EngineConfig, Mode
+from oasiskv_runtime.config import CODED_KEY_SCORES, EngineConfig, Mode
 from oasiskv_runtime.core.batch import DecodeBatch, SummaryWrites, summary_rows
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.link_cap import LinkCap
@@ -26,7 +26,7 @@ from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor, resident_block_ids
 from oasiskv_runtime.core.prefill_feedback import PromptWindows, end_of_prefill, fill_scores
 from oasiskv_runtime.core.stats import SparseStats
-from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.core.summaries import KeyCodes, KeySummaries
 from oasiskv_runtime.engine.attention.metadata import SeqSlice, StepMetadata
 from oasiskv_runtime.engine.attention.prefill import ContextAttention
 from oasiskv_runtime.engine.attention.sparse_step import SparseStep
@@ -62,9 +62,11 @@ class OasisKVAttention:
                                 self.sparse.attended)
         self.windows = PromptWindows(self.sparse.fill_window) if self.sparse.fill_window else None
         """``fill_window``: the last prompt rows of requests prefilled in chunks."""
+        self.codes = KeyCodes(device_cache.pairs, self.sparse.code_bits) if self.sparse.code_bits else None
+        """Key codes (``selection_score = "max_logit_b2"``): kept in blocks of the device cache, as the summaries."""
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
                                    self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
-                                   scale, self.sparse.recent_blocks, self.sparse.summary_parts)
+                                   scale, self.sparse.recent_blocks, self.sparse.summary_parts, self.codes)
         self.pipeline = self.io = None
         if self.mode.uses_host_pool:
             # The pipeline's streams and per-layer events exist on CUDA with the kernels; elsewhere the same calls
@@ -100,6 +102,10 @@ class OasisKVAttention:
             section = specs[key].section if key in specs else None
             if section not in ("sparse", "kernels", "debug"):
                 raise ValueError(f"{key} cannot change on a running engine")
+            kept = self.codes.bits if self.codes is not None else 0
+            if key == "selection_score" and CODED_KEY_SCORES.get(value, kept) != kept:
+                raise ValueError(f"selection_score={value!r} reads key codes of {CODED_KEY_SCORES[value]} bits, which "
+                                 f"are kept from the start only: start an engine with it")
             if key in FIXED_AT_START and value != getattr(self.sparse, key):
                 raise ValueError(f"{key} is fixed when the engine starts ({FIXED_AT_START[key]}): start an engine "
                                  f"per setting")
@@ -221,6 +227,8 @@ class OasisKVAttention:
             same = b.q_rows is w  # the static layout writes exactly the decode rows
             self.dev_cache.write(layer, b.local_rows, kw if same else k[b.q_rows], vw if same else v[b.q_rows])
         self.summaries.update(layer, kw, step.writes)
+        if self.codes is not None and b is not None:  # the active block's codes (final at the step that fills it)
+            self.codes.write(layer, b.code_row, self.dev_cache.k[layer][b.local_block])
         if self.io is not None:
             self.io.issue_reads(layer + 1)  # the next layer's prefixes, while this one computes
         out = torch.empty_like(q)
@@ -230,6 +238,10 @@ class OasisKVAttention:
         feedback = self.head_map.attended is not None or self.windows is not None
         for i, s in enumerate(step.prefill + (step.decode_slices if dense_layer else [])):
             ks = self.context.attend(layer, s, q, k, v, out, device_path)
+            if self.codes is not None and i < len(step.prefill) and step.prefill_codes[i] is not None:
+                first, rows = step.prefill_codes[i]  # the blocks this chunk fills, coded before any prediction reads them
+                bs = self.dev_cache.block_size
+                self.codes.write(layer, rows, ks[first * bs:(first + rows.numel()) * bs].unflatten(0, (-1, bs)))
             # (the fill's requests are step.prefill's that complete: a 1-token last chunk included)
             if feedback and i < len(step.prefill):
                 scores = self._end_of_prefill(layer, s, q, ks, not dense_layer, step.fill is not None)

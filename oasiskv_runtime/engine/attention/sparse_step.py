@@ -39,6 +39,9 @@ class SparseStep:
     (a prefix-cache hit's shared blocks)."""
     static: bool = False
     """Built on the static layout of CUDA graphs (decode only)."""
+    prefill_codes: list[tuple[int, torch.Tensor] | None] = field(default_factory=list)
+    """Key codes: per ``prefill`` slice, the blocks its chunk fills ``(first logical block, their code rows [n])``,
+    coded from the context keys its attention reads (None: the chunk fills none)."""
 
 
 class SparseStepBuilder:
@@ -51,6 +54,8 @@ class SparseStepBuilder:
         self.fill_from_draft = fill_from_draft and mode.uses_draft
         self.bs = kv.block_size
         self.parts = kv.summary_parts
+        self.codes = kv.code_rows_per_block > 0
+        """Key codes are kept (``KVCacheManager.code_rows_per_block``)."""
         self.sb = self.bs // self.parts
         """Tokens per summary row (``summary_parts`` rows per block): token ``p``'s row is sub-block ``p // sb``'s."""
         self.device_step = device_step
@@ -89,7 +94,16 @@ class SparseStepBuilder:
                           prefill=prefill, fill=self.fill_batch(done, meta.step) if done else None,
                           fill_tails=[(s, self.kv.requests[s.seq_id].local_block(s.context_len - 1, self.bs))
                                       for s in done],
-                          decode_slices=decode, summary_imports=self._summary_imports(meta.seqs))
+                          decode_slices=decode, summary_imports=self._summary_imports(meta.seqs),
+                          prefill_codes=[self._filled_blocks(s) for s in prefill] if self.codes else [])
+
+    def _filled_blocks(self, s: SeqSlice) -> tuple[int, torch.Tensor] | None:
+        """The blocks ``s``'s rows fill and their code rows (key codes), or None."""
+        first, end = (s.context_len - s.num_query) // self.bs, s.context_len // self.bs
+        if end <= first:
+            return None
+        rows = self.kv.requests[s.seq_id].code_rows[first:end]
+        return first, host_list_to(rows, torch.long, self.device)
 
     def summary_writes(self, seqs: list[SeqSlice], runs: bool) -> SummaryWrites:
         """The summary row of every written token (one row per sub-block of ``sb`` tokens, ``summary_parts`` per
@@ -132,6 +146,8 @@ class SparseStepBuilder:
                                                      "next_candidates")}
         if host:
             out["local_rows"] = []
+        if self.codes:
+            out["code_row"] = []
         for seq_id, ctx in zip(seq_ids, ctxs):
             rb = self.kv.requests[seq_id]
             p = ctx - 1
@@ -145,6 +161,8 @@ class SparseStepBuilder:
                 out["local_rows"].append(local * bs + p % bs)
             else:
                 out["local_block"].append(rb.device_blocks[p // bs])
+            if self.codes:
+                out["code_row"].append(rb.code_rows[p // bs])
         return out
 
     def _padded(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -188,7 +206,14 @@ class SparseStepBuilder:
             max_next_candidates=max(vec["next_candidates"]),
             step=step,
             gap_block=t(gaps) if gaps is not None else None,
+            code_table=self._code_table(decode), code_row=t(vec["code_row"]) if self.codes else None,
         )
+
+    def _code_table(self, seqs: list[SeqSlice]) -> torch.Tensor | None:
+        """Key codes: ``[B, NB]`` the code row of each logical block (as wide as ``primary_table``)."""
+        if not self.codes:
+            return None
+        return self._padded([self.kv.requests[s.seq_id].code_rows[:len(s.block_table)] for s in seqs], torch.long)
 
     def fill_batch(self, done: list[SeqSlice], step: int) -> DecodeBatch:
         """The batch that fills the working sets of requests whose prefill completes this step (their first
@@ -207,7 +232,7 @@ class SparseStepBuilder:
             local_len=rows, num_candidates=n_cand, next_candidates=n_cand,
             summary_table=self._padded([self.kv.requests[s.seq_id].summary_blocks for s in done], torch.long),
             primary_table=self._padded([s.block_table for s in done], torch.long),
-            slot_blocks=long([rb.slot_blocks for rb in blocks]),
+            slot_blocks=long([rb.slot_blocks for rb in blocks]), code_table=self._code_table(done),
             max_next_candidates=max(s.context_len // self.bs for s in done), step=step)
 
     # ---- the static layout of decode-only steps (engine/cuda_graphs.py) -----------------------------------------
@@ -218,6 +243,7 @@ class SparseStepBuilder:
         primary = static.table("primary", max_blocks, 0)
         summary = static.table("summary", cdiv(max_blocks * self.parts, bs), 0, torch.int32)  # the scorer's dtype
         slot_table = static.table("slots", self.map.k_slots, 0) if host else None
+        code_table = static.table("codes", max_blocks, 0) if self.codes else None
         sum_rows, reset = [], []
         for seq, ctx, table, row in zip(seqs, ctxs, tables, rows):
             rb = self.kv.requests[seq.seq_id]
@@ -228,6 +254,8 @@ class SparseStepBuilder:
             summary.set(row, seq.seq_id, rb.summary_blocks)
             if host:
                 slot_table.set(row, seq.seq_id, rb.slot_blocks)
+            if code_table is not None:
+                code_table.set(row, seq.seq_id, rb.code_rows, length=len(table))
         vec = self.decode_vectors([seq.seq_id for seq in seqs], ctxs)
         fields.update(vec)
         if host and self.kv.local_slots > 1:  # a gap column in every step, so the shapes a graph bakes in stay put
@@ -248,7 +276,7 @@ class SparseStepBuilder:
             summary_table=t["summary"], primary_table=t["primary"], slot_blocks=t.get("slots"),
             local_rows=v.get("local_rows"), max_candidates=st.block_bucket, max_next_candidates=st.block_bucket,
             step=v["step"][0] if self.device_step else meta.step, separate_draft_rows=self.mode.uses_draft,
-            gap_block=v.get("gap_block"))
+            gap_block=v.get("gap_block"), code_table=t.get("codes"), code_row=v.get("code_row"))
         return SparseStep(written=st.q_rows, writes=SummaryWrites(rows=v["sum_rows"], reset=v["reset"]),
                           decode=batch, decode_slices=list(meta.seqs), static=True,
                           summary_imports=self._summary_imports(meta.seqs))
