@@ -444,7 +444,7 @@ def test_summary_runs_by_block_equal_token_runs_of_the_token_layout():
             tables[sid] = [free.pop() for _ in range(-(-ctx // sb) // bs + 1)]
             seqs.append(SeqSlice(sid, row, nq, ctx, []))
             row += nq
-        kv = SimpleNamespace(block_size=bs, summary_parts=parts,
+        kv = SimpleNamespace(block_size=bs, summary_parts=parts, code_rows_per_block=0,
                              requests={i: SimpleNamespace(summary_blocks=t) for i, t in tables.items()})
         builder = SparseStepBuilder(Mode.SPARSE_RESIDENT, kv, None, torch.device("cpu"), device_step=False)
         rows = [summary_row(tables[s.seq_id], p // sb, bs) for s in seqs
