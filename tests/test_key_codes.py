@@ -16,6 +16,7 @@ from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.engine.sequence import Sequence
 from oasiskv_runtime.ops.key_codes import coded_scores, pack_codes, unpack_codes
 from oasiskv_runtime.ops.split_quest import coded_max_logit_scores
+from tests.kernel_devices import KERNEL_DEVICES
 from tests.selection_checks import scorer_inputs
 from tests.tiny_models import write_tiny
 
@@ -49,12 +50,15 @@ def test_unpack_inverts_pack_on_every_level():
         assert torch.equal(unpack_codes(packed, bits).float(), keys)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("bs,bits,bound", [(16, 2, None), (16, 1, 13), (8, 4, None), (12, 2, 17)])
-def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device, bs, bits, bound):
+@pytest.mark.parametrize("device,backend", [pytest.param("cpu", "ref", id="ref")] + [
+    pytest.param(p.values[0], "triton", id=p.id or p.values[0], marks=p.marks) for p in KERNEL_DEVICES])
+@pytest.mark.parametrize("bs,bits,bound", [(16, 2, None), (16, 1, 13), (8, 4, None), (12, 2, 17), (8, 8, None)])
+def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device, backend, bs, bits, bound):
     """Summaries in the engine's layout (summary block ``j // bs``, row ``j % bs`` of each request's summary table)
     and codes in the KV cache's, both built from the same keys: the score equals ``coded_max_logit_scores`` on the
-    keys themselves, the ranking the NIAH study measured."""
+    keys themselves, the ranking the NIAH study measured; the plain-PyTorch reference and the Triton kernel (on CUDA,
+    and on the CPU in Triton's interpreter) alike, fresh random inputs and odd sizes (head dim 24, 3 query heads a
+    KV head, a request without candidates, a bound under and over the candidates)."""
     hkv, d = 2, 24
     q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, d=d)
     nb = k_cache.shape[0]
@@ -69,7 +73,7 @@ def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device
     assert codes.shape[0] == nb
     to = lambda t: t.to(device)  # noqa: E731
     got = coded_scores(to(q), to(codes), to(mins), to(maxs), to(table), to(summary_table), to(num_candidates), hkv,
-                       bits, bound).cpu()
+                       bits, bound, backend=backend).cpu()
     want = coded_max_logit_scores(q, k_cache, table, num_candidates, hkv, bits, bound or 11)
     assert got.shape == want.shape == (3, hkv, bound or 11)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

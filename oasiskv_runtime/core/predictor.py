@@ -103,7 +103,7 @@ class Predictor:
                              f"engine does not keep (it keeps them when it starts with that score)")
         sum_min, sum_max = self.summaries.read(layer)
         return coded_scores(query, self.codes.read(layer), sum_min, sum_max, batch.code_table, batch.summary_table,
-                            num_candidates, self.hkv, bits, max_candidates)
+                            num_candidates, self.hkv, bits, max_candidates, backend=self.backend)
 
     def _sub_block_quest(self, layer: int, query: torch.Tensor, batch: DecodeBatch, next_step: bool,
                          num_candidates: torch.Tensor, max_candidates: int | None) -> torch.Tensor:

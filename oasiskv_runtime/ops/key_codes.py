@@ -26,9 +26,11 @@ from typing import Optional
 import torch
 
 from oasiskv_runtime.ops.attention_mass import candidate_blocks
-from oasiskv_runtime.ops.score_topk import _gather_summaries
+from oasiskv_runtime.ops.common import lazy_kernels, next_pow2, on_device, use_triton
+from oasiskv_runtime.ops.score_topk import _gather_summaries, _num_cols
 
-__all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "level_step", "pack_codes", "unpack_codes"]
+__all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "coded_scores_ref", "level_step",
+           "pack_codes", "unpack_codes"]
 
 CODE_BITS = (1, 2, 4, 8)
 """Bits per key dimension the format packs (a divisor of 8)."""
@@ -77,11 +79,11 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.view(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
-def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
-                 block_table: torch.Tensor, summary_block_table: torch.Tensor, num_candidates: torch.Tensor,
-                 num_kv_heads: int, bits: int, max_candidates: Optional[int] = None) -> torch.Tensor:
-    """Each candidate block's largest logit over its coded keys, ``[B, Hkv, J]`` fp32, ``-inf`` beyond
-    ``num_candidates``.
+def coded_scores_ref(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
+                     block_table: torch.Tensor, summary_block_table: torch.Tensor, num_candidates: torch.Tensor,
+                     num_kv_heads: int, bits: int, max_candidates: Optional[int] = None) -> torch.Tensor:
+    """Plain-PyTorch reference of :func:`coded_scores`: each candidate block's largest logit over its coded keys,
+    ``[B, Hkv, J]`` fp32, ``-inf`` beyond ``num_candidates``.
 
     ``q``: ``[B, Hq, D]``; ``codes``: ``[num_blocks, block_size, Hkv, D * bits / 8]`` one layer's codes, block
     ``block_table[b, j]`` holding logical block ``j``'s; ``sum_min`` / ``sum_max`` / ``summary_block_table``: the
@@ -103,3 +105,94 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
         logits = torch.bmm(qf[:, h], keys.view(B, J * bs, D).transpose(1, 2))                # [B, g, J * bs]
         out[:, h] = logits.view(B, -1, J, bs).amax(dim=3).amax(dim=1)
     return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
+
+
+@lazy_kernels(globals())
+def _kernels():
+
+    @triton.jit
+    def _coded_score_kernel(
+        Q, CODES, SMIN, SMAX, CTAB, STAB, NCAND, OUT, n_cols, n_pages, n_code_cols,
+        s_qb, s_qh, s_cr, s_ct, s_ch, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, s_cb, s_sb, s_ob, s_oh,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+        BITS: tl.constexpr, BLOCK_J: tl.constexpr,
+    ):
+        # One program per (request, KV head, BLOCK_J candidates): each candidate's min/max row and, key by key, its
+        # codes (a byte holds 8 / BITS dimensions, the lowest bits first) -> k^ = lo + level * step, the group's
+        # largest q . k^ over the block's keys.
+        pid = tl.program_id(0)
+        b = pid // HKV
+        h = pid % HKV
+        j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        nc = tl.load(NCAND + b)
+        ok = (j < nc) & (j < n_cols) & (j < n_code_cols)
+        b64 = b.to(tl.int64)
+        pg = j // BS
+        page = tl.load(STAB + b64 * s_sb + pg, mask=ok & (pg < n_pages), other=0).to(tl.int64)
+        crow = tl.load(CTAB + b64 * s_cb + j, mask=ok, other=0).to(tl.int64)
+        ok = ok & (page >= 0) & (crow >= 0)
+        row = j % BS
+        d = tl.arange(0, D_PAD)
+        d_ok = d < D
+        m2 = ok[:, None] & d_ok[None, :]
+        lo = tl.load(SMIN + (page * s_mb + row * s_mt + h * s_mh)[:, None] + d[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+        hi = tl.load(SMAX + (page * s_xb + row * s_xt + h * s_xh)[:, None] + d[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+        step = (hi - lo) / (2 ** BITS - 1)
+        PER: tl.constexpr = 8 // BITS
+        shift = (d % PER) * BITS
+        cptr = CODES + (crow * s_cr + h * s_ch)[:, None] + (d // PER)[None, :]
+        best = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
+        for t in range(BS):
+            byte = tl.load(cptr + t * s_ct, mask=m2, other=0).to(tl.int32)
+            key = lo + ((byte >> shift[None, :]) & (2 ** BITS - 1)).to(tl.float32) * step
+            for gi in tl.static_range(G):
+                qg = tl.load(Q + b64 * s_qb + (h * G + gi) * s_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+                best = tl.maximum(best, tl.sum(qg[None, :] * key, 1))
+        best = tl.where(ok, best, float("-inf"))
+        tl.store(OUT + b64 * s_ob + h * s_oh + j, best, mask=j < n_cols)
+
+    from types import SimpleNamespace
+    return SimpleNamespace(score=_coded_score_kernel)
+
+
+def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
+                 block_table: torch.Tensor, summary_block_table: torch.Tensor, num_candidates: torch.Tensor,
+                 num_kv_heads: int, bits: int, max_candidates: Optional[int] = None, block_j: Optional[int] = None,
+                 *, backend: str = "auto") -> torch.Tensor:
+    """Each candidate block's largest logit over its coded keys, ``[B, Hkv, J]`` fp32, ``-inf`` beyond
+    ``num_candidates``: the Triton kernel (one pass over the candidates' codes and min/max rows, no decoded keys in
+    memory), or with ``backend="ref"`` (and ``"auto"`` off CUDA) :func:`coded_scores_ref`. Arguments as there."""
+    if not use_triton(backend, q, _kernels):
+        return coded_scores_ref(q, codes, sum_min, sum_max, block_table, summary_block_table, num_candidates,
+                                num_kv_heads, bits, max_candidates)
+    B, Hq, D = q.shape
+    hkv = int(num_kv_heads)
+    if Hq % hkv:
+        raise ValueError(f"Hq={Hq} not a multiple of Hkv={hkv}")
+    check_code_bits(bits, D)
+    if codes.stride(-1) != 1 or sum_min.stride(-1) != 1 or sum_max.stride(-1) != 1:
+        raise ValueError("codes and summaries need a unit stride on their last dimension")
+    J = _num_cols(num_candidates, max_candidates)
+    out = torch.empty((B, hkv, J), dtype=torch.float32, device=q.device)
+    if J == 0 or B == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    stab = summary_block_table if summary_block_table.stride(-1) == 1 else summary_block_table.contiguous()
+    ctab = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    nc = num_candidates.to(device=q.device, dtype=torch.int32)
+    d_pad = max(16, next_pow2(D))
+    block_j = block_j or (16 if d_pad >= 128 else 32)
+    kernels = _kernels()  # (binds ``triton`` here)
+    grid = (B * hkv, triton.cdiv(J, block_j))
+    with on_device(q):
+        kernels.score[grid](
+            q, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],
+            q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
+            sum_min.stride(0), sum_min.stride(1), sum_min.stride(2),
+            sum_max.stride(0), sum_max.stride(1), sum_max.stride(2),
+            ctab.stride(0), stab.stride(0), out.stride(0), out.stride(1),
+            HKV=hkv, G=Hq // hkv, D=D, D_PAD=d_pad, BS=codes.shape[1], BITS=bits, BLOCK_J=block_j, num_warps=4,
+        )
+    return out

@@ -108,7 +108,8 @@ class VllmOptions:
         if self.selection_score not in VLLM_SCORES:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
                              f"{', '.join(VLLM_SCORES)} (attention, gauss and the split Quest bounds read every "
-                             f"key, quest_rank was measured under quest: embedded-engine study settings)")
+                             f"key, quest_rank was measured under quest: embedded-engine study settings; the key "
+                             f"codes of max_logit_b1/_b2/_b4 are kept by the embedded engine only for now)")
         if self.cuda_graphs not in ("auto", "full", "off"):
             raise ValueError(f"cuda_graphs on vLLM is auto, full or off, got {self.cuda_graphs!r} (static is the "
                              f"embedded engine's CPU test layout)")
