@@ -252,7 +252,7 @@ FULL_KEY_SCORES = ("attention", "gauss", "quest_half", "quest_quarter", "max_log
 
 CODED_KEY_SCORES = {"max_logit_b1": 1, "max_logit_b2": 2, "max_logit_b4": 4}
 """Rankings from keys coded in a few bits per dimension (``selection_score`` -> bits), which the embedded engine keeps
-on the device beside the summaries (``core/key_codes.py``): every mode."""
+on the device beside the summaries (``core/summaries.KeyCodes``, ``ops/key_codes.py``): every mode."""
 
 SUMMARY_SCORES = tuple(s for s in SELECTION_SCORES if s not in FULL_KEY_SCORES)
 """Rankings from the key summaries (what ``summary_parts`` changes)."""

@@ -56,8 +56,6 @@ class DecodeBatch:
     """Every request has its own draft row, used or not (the static layout)."""
     code_table: torch.Tensor | None = None
     """[B, NB] int64 (key codes, ``core/summaries.KeyCodes``): the code row of each logical block."""
-    code_row: torch.Tensor | None = None
-    """[B] int64 (key codes): the code row of the active block, rewritten from its keys every decode step."""
     gap_block: torch.Tensor | None = None
     """[B] int64 (accepted drafts): the local device block holding the block before the active one where the last
     prediction could not rank it (an accepted draft completed it), attended besides the working set; else -1."""
@@ -78,6 +76,11 @@ class DecodeBatch:
     def pred_rows(self) -> torch.Tensor:
         """Per request, the row whose query predicts its next step's blocks: the draft's, else its own."""
         return self.derived("pred_rows", lambda: torch.where(self.has_draft, self.draft_rows, self.q_rows))
+
+    def active_code_rows(self) -> torch.Tensor:
+        """[B] (key codes): the code row of each request's active block, logical block ``num_candidates``."""
+        return self.derived("active_code_rows",
+                            lambda: self.code_table.gather(1, self.num_candidates.long().unsqueeze(1)).squeeze(1))
 
     def qd_rows(self) -> torch.Tensor:
         """[2B]: each request's token row then its draft row, interleaved (one index op stacks both queries)."""

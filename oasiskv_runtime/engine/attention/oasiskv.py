@@ -228,7 +228,7 @@ class OasisKVAttention:
             self.dev_cache.write(layer, b.local_rows, kw if same else k[b.q_rows], vw if same else v[b.q_rows])
         self.summaries.update(layer, kw, step.writes)
         if self.codes is not None and b is not None:  # the active block's codes (final at the step that fills it)
-            self.codes.write(layer, b.code_row, self.dev_cache.k[layer][b.local_block])
+            self.codes.write(layer, b.active_code_rows(), self.dev_cache.k[layer][b.local_block])
         if self.io is not None:
             self.io.issue_reads(layer + 1)  # the next layer's prefixes, while this one computes
         out = torch.empty_like(q)

@@ -146,8 +146,6 @@ class SparseStepBuilder:
                                                      "next_candidates")}
         if host:
             out["local_rows"] = []
-        if self.codes:
-            out["code_row"] = []
         for seq_id, ctx in zip(seq_ids, ctxs):
             rb = self.kv.requests[seq_id]
             p = ctx - 1
@@ -161,8 +159,6 @@ class SparseStepBuilder:
                 out["local_rows"].append(local * bs + p % bs)
             else:
                 out["local_block"].append(rb.device_blocks[p // bs])
-            if self.codes:
-                out["code_row"].append(rb.code_rows[p // bs])
         return out
 
     def _padded(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -206,7 +202,7 @@ class SparseStepBuilder:
             max_next_candidates=max(vec["next_candidates"]),
             step=step,
             gap_block=t(gaps) if gaps is not None else None,
-            code_table=self._code_table(decode), code_row=t(vec["code_row"]) if self.codes else None,
+            code_table=self._code_table(decode),
         )
 
     def _code_table(self, seqs: list[SeqSlice]) -> torch.Tensor | None:
@@ -276,7 +272,7 @@ class SparseStepBuilder:
             summary_table=t["summary"], primary_table=t["primary"], slot_blocks=t.get("slots"),
             local_rows=v.get("local_rows"), max_candidates=st.block_bucket, max_next_candidates=st.block_bucket,
             step=v["step"][0] if self.device_step else meta.step, separate_draft_rows=self.mode.uses_draft,
-            gap_block=v.get("gap_block"), code_table=t.get("codes"), code_row=v.get("code_row"))
+            gap_block=v.get("gap_block"), code_table=t.get("codes"))
         return SparseStep(written=st.q_rows, writes=SummaryWrites(rows=v["sum_rows"], reset=v["reset"]),
                           decode=batch, decode_slices=list(meta.seqs), static=True,
                           summary_imports=self._summary_imports(meta.seqs))
