@@ -22,7 +22,10 @@
    * ``interference`` (not in the default list): what the gather costs the HBM-bound kernels beside it (the
      sparse attention, decode GEMMs) per grid, copies in flight and cache hint, with a device-memory control;
    * Quest score + top-k at 16K / 32K context (1024 / 2048 blocks), B=64, k=128;
-   * summary update for one decode step (64 tokens).
+   * summary update for one decode step (64 tokens);
+   * ``coded`` (not in the default list): block scores from keys coded in 2 bits (``selection_score=max_logit_b2``)
+     at 16K context, B=16 and 64, Qwen3-8B's heads, against the plain-PyTorch reference and beside Quest's score
+     at the same shape; effective bandwidth = bytes of codes + min/max rows read / time.
 Writes JSON (``--out``, default ``$OUT/kernels.json`` or ./kernels.json) and prints a table.
 """
 from __future__ import annotations
@@ -56,6 +59,7 @@ sa = _load("sparse_attention")
 st = _load("score_topk")
 su = _load("summary_update")
 ug = _load("uva_gather")
+kc = _load("key_codes")
 
 HBM_PEAK_TBPS = 4.2  # measured device-copy ceiling on the H200 (FACTS.md)
 
@@ -688,6 +692,56 @@ def bench_summary(res, quick):
     res["summary_update_decode_T64"] = dict(kernel_ms=m, ref_ms=m_ref, kernel_graph_ms=mg)
 
 
+def bench_coded(res, quick):
+    """Coded-key block scores (``ops/key_codes.coded_scores``) at Qwen3-8B's heads, 16K context (1024 blocks of 16),
+    2 bits; checked against ``coded_scores_ref`` (values, top-128 sets) and timed per ``block_j``, beside Quest's score
+    over the same summaries."""
+    Hq, Hkv, D, BS, J, bits, k = 32, 8, 128, 16, 1024, 2, 128
+    dt = torch.bfloat16
+    configs = [{}] + [dict(block_j=bj) for bj in (() if quick else (8, 32))]
+    out = {"shape": dict(Hq=Hq, Hkv=Hkv, D=D, block_size=BS, blocks=J, bits=bits)}
+    for B in (16, 64):
+        pages = J // BS
+        NB = B * J  # one code block per logical block
+        keys = torch.randn(NB, BS, Hkv, D, device="cuda", dtype=dt)
+        lo, hi = keys.amin(1), keys.amax(1)
+        codes = kc.pack_codes(keys, lo, hi, bits)
+        del keys
+        perm = torch.randperm(NB, device="cuda")
+        ctab = perm.view(B, J)
+        smin = torch.empty(B * pages, BS, Hkv, D, device="cuda", dtype=dt)
+        smax = torch.empty_like(smin)
+        stab = torch.arange(B * pages, device="cuda").view(B, pages)
+        smin.view(B, J, Hkv, D)[:] = lo[ctab]  # summary row j % BS of page j // BS: logical block j's min/max
+        smax.view(B, J, Hkv, D)[:] = hi[ctab]
+        del lo, hi
+        nc = torch.full((B,), J, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, Hq, D, device="cuda", dtype=dt)
+        row = {}
+        ref = kc.coded_scores_ref(q, codes, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J)
+        rids, _ = st.select_topk(ref, nc, k)
+        bytes_ = B * Hkv * J * (BS * D * bits // 8 + 2 * D * 2)  # codes + min/max rows
+        for cfg in configs:
+            name = "default" if not cfg else f"bj{cfg['block_j']}"
+            try:
+                got = kc.coded_scores(q, codes, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J, **cfg)
+                ids, _ = st.select_topk(got, nc, k)
+                m, _ = time_ms(lambda cfg=cfg: kc.coded_scores(q, codes, smin, smax, ctab, stab, nc, Hkv, bits,
+                                                               max_candidates=J, **cfg))
+                row[name] = dict(ms=m, GBps=bytes_ / m / 1e6, max_abs_diff=(got - ref).abs().max().item(),
+                                 topk_set_max_diff=(torch.gather(ref, 2, ids.long())
+                                                    - torch.gather(ref, 2, rids.long())).abs().max().item())
+            except Exception as e:  # a launch configuration that does not compile: report it, keep going
+                row[name] = dict(error=repr(e)[:300])
+        m, _ = time_ms(lambda: st.quest_scores(q, smin, smax, stab, nc, Hkv, max_candidates=J))
+        row["quest_score_ms"] = m
+        row["bytes_read"] = bytes_
+        out[f"B{B}"] = row
+        del codes, smin, smax, ref
+        torch.cuda.empty_cache()
+    res["coded_scores"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -710,7 +764,7 @@ def main():
     parts = {"attention": bench_attention, "attention_f32": bench_attention_f32,
              "prefill_f32": bench_prefill_f32, "gather": bench_gather, "overlap": bench_overlap,
              "interference": bench_interference,
-             "score": bench_score, "summary": bench_summary}
+             "score": bench_score, "summary": bench_summary, "coded": bench_coded}
     for name in args.only.split(","):
         t0 = time.time()
         try:
@@ -806,6 +860,14 @@ def print_table(res):
         v = res["summary_update_decode_T64"]
         print(f"\nsummary update (decode, 64 tokens): kernel {v['kernel_ms'] * 1e3:.1f} us eager, "
               f"{v['kernel_graph_ms'] * 1e3:.1f} us graph; ref {v['ref_ms'] * 1e3:.1f} us eager")
+    if "coded_scores" in res:
+        print("\ncoded-key scores, 2 bits, Hq=32 Hkv=8 D=128, 1024 blocks of 16")
+        for b, row in res["coded_scores"].items():
+            if b.startswith("B"):
+                cells = ", ".join(f"{n} {x['ms'] * 1e3:.0f} us ({x['GBps']:.0f} GB/s, diff {x['max_abs_diff']:.1e}, "
+                                  f"top-k {x['topk_set_max_diff']:.1e})" if "ms" in x else f"{n}: {x['error'][:60]}"
+                                  for n, x in row.items() if isinstance(x, dict))
+                print(f"  {b}: quest {row['quest_score_ms'] * 1e3:.0f} us; {cells}")
     if "gather_interference" in res:
         print("\n" + "\n".join(interference_lines(res["gather_interference"])))
     for k, v in res["errors"].items():
