@@ -170,6 +170,28 @@ def test_a_covering_budget_with_key_codes_equals_dense(tiny, mode, monkeypatch):
     assert _tokens(llm) == dense and calls
 
 
+TIGHT = dict(selection_score="max_logit_b2", attended_share=0.25, fill_window=8, early_fetch_ratio=1.0,
+             demand_fetch=True)
+"""The setting that meets issue #34's bars on SmolLM2 at 1/8 and 1/4 (docs/accuracy.md) with demand_fetch_cap=2."""
+
+
+def test_the_tight_budget_setting_composes(tiny):
+    """Codes, attention feedback, the fill, the early cap and a bounded demand fetch together: a covering budget gives
+    dense's tokens; at a tight one the demand fetch copies, at most its cap per request, layer and KV head a decode
+    step (on average over the run), and a cap of 1 copies less than a cap of 2."""
+    dense = _tokens(LLM(tiny, kv_cache_gb=KV_GB))
+    kw = dict(mode="oasiskv", block_size=4, max_num_batched_tokens=16, draft="ngram", kv_cache_gb=KV_GB, **TIGHT)
+    assert _tokens(LLM(tiny, top_k_blocks=40, demand_fetch_cap=2, **kw)) == dense
+    per_step = {}
+    for cap in (1, 2):
+        llm = LLM(tiny, top_k_blocks=3, demand_fetch_cap=cap, **kw)
+        assert len(_tokens(llm)[0]) == GREEDY.max_tokens
+        m = llm.engine.model_config
+        per_step[cap] = llm.engine.run_stats()["demand_fetched_blocks_per_step"]
+        assert 0 < per_step[cap] <= cap * len(PROMPTS) * m.num_layers * m.num_kv_heads
+    assert per_step[1] < per_step[2]
+
+
 def test_refusals_and_a_running_engine_keeps_its_codes(tiny):
     with pytest.raises(ValueError, match="selection_score='max_logit_b2' does not run with prefix_cache"):
         EngineConfig.from_overrides("qwen3-8b", mode="oasiskv", selection_score="max_logit_b2", prefix_cache=True)
