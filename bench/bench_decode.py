@@ -57,7 +57,7 @@ def place_requests(eng: LLMEngine, batch: int, ctx: int, gen: torch.Generator) -
     for i in range(batch):
         prompt = torch.randint(10, eng.model_config.vocab_size, (ctx - 1,), generator=gen).tolist()
         seq = Sequence(prompt, SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
-        seq.output_token_ids = [int(torch.randint(10, 1000, (1,), generator=gen))]
+        seq.output_token_ids = [int(torch.randint(10, min(1000, eng.model_config.vocab_size), (1,), generator=gen))]
         seq.num_computed_tokens = ctx - 1
         seq.status = SequenceStatus.RUNNING
         rb = RequestBlocks()

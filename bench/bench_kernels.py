@@ -694,11 +694,13 @@ def bench_summary(res, quick):
 
 def bench_coded(res, quick):
     """Coded-key block scores (``ops/key_codes.coded_scores``) at Qwen3-8B's heads, 16K context (1024 blocks of 16),
-    2 bits; checked against ``coded_scores_ref`` (values, top-128 sets) and timed per ``block_j``, beside Quest's score
-    over the same summaries."""
+    2 bits; checked against ``coded_scores_ref`` (values, top-128 sets) and timed per launch (``block_j``,
+    ``num_warps``), beside Quest's score over the same summaries."""
     Hq, Hkv, D, BS, J, bits, k = 32, 8, 128, 16, 1024, 2, 128
     dt = torch.bfloat16
-    configs = [{}] + [dict(block_j=bj) for bj in (() if quick else (8, 32))]
+    # launches (block_j, num_warps) beside the default (16, 4): its per-key reductions over D cross warps at 4
+    configs = [{}] + [dict(block_j=bj, num_warps=w) for bj, w in ((16, 1),) + (() if quick else (
+        (8, 1), (32, 1), (16, 2), (32, 2), (64, 2), (32, 4)))]
     out = {"shape": dict(Hq=Hq, Hkv=Hkv, D=D, block_size=BS, blocks=J, bits=bits)}
     for B in (16, 64):
         pages = J // BS
@@ -722,7 +724,7 @@ def bench_coded(res, quick):
         rids, _ = st.select_topk(ref, nc, k)
         bytes_ = B * Hkv * J * (BS * D * bits // 8 + 2 * D * 2)  # codes + min/max rows
         for cfg in configs:
-            name = "default" if not cfg else f"bj{cfg['block_j']}"
+            name = "default" if not cfg else f"bj{cfg['block_j']}_w{cfg['num_warps']}"
             try:
                 got = kc.coded_scores(q, codes, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J, **cfg)
                 ids, _ = st.select_topk(got, nc, k)
