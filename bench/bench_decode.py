@@ -165,7 +165,7 @@ def reset(eng: LLMEngine) -> None:
             eng.backend.free_request(seq.seq_id)
         eng.runner.forget(seq.seq_id)
         rb = eng.kv.requests.pop(seq.seq_id)
-        eng.kv.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks + rb.code_blocks)
+        eng.kv.device_pool.free(rb.held_device_blocks)  # host blocks are aliased here: not kv.free
     eng.scheduler.running.clear()
 
 

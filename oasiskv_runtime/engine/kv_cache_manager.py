@@ -64,6 +64,12 @@ class RequestBlocks:
     """Local blocks at the head of ``ws_blocks`` (host-pool modes)."""
 
     @property
+    def held_device_blocks(self) -> list[int]:
+        """Every device block the request holds (full KV, working set, summaries, key codes): what freeing it returns
+        to the device pool; ``num_device_blocks`` counts the same lists."""
+        return self.device_blocks + self.ws_blocks + self.summary_blocks + self.code_blocks
+
+    @property
     def num_device_blocks(self) -> int:
         return len(self.device_blocks) + len(self.ws_blocks) + len(self.summary_blocks) + len(self.code_blocks)
 
@@ -282,7 +288,7 @@ class KVCacheManager:
         rb = self.requests.pop(seq.seq_id, None)
         if rb is None:
             return
-        self.device_pool.free(rb.device_blocks + rb.ws_blocks + rb.summary_blocks + rb.code_blocks)
+        self.device_pool.free(rb.held_device_blocks)
         self._free_primary(rb.host_blocks[rb.num_shared_host:])
 
     def attach_prefix(self, seq: Sequence, host_blocks: list[int]) -> None:
