@@ -160,12 +160,12 @@ def _kernels():
 def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
                  block_table: torch.Tensor, summary_block_table: torch.Tensor, num_candidates: torch.Tensor,
                  num_kv_heads: int, bits: int, max_candidates: Optional[int] = None, block_j: Optional[int] = None,
-                 *, num_warps: int = 4, backend: str = "auto") -> torch.Tensor:
+                 *, num_warps: int = 2, backend: str = "auto") -> torch.Tensor:
     """Each candidate block's largest logit over its coded keys, ``[B, Hkv, J]`` fp32, ``-inf`` beyond
     ``num_candidates``: the Triton kernel (one pass over the candidates' codes and min/max rows, no decoded keys in
     memory), or with ``backend="ref"`` (and ``"auto"`` off CUDA) :func:`coded_scores_ref`. Arguments as there;
     ``block_j`` (candidates a program) and ``num_warps`` are the kernel's launch, swept by ``bench_kernels.py --only
-    coded``."""
+    coded``: 2 warps, 10% faster than 4 on the H100 at Qwen3-8B's heads (``docs/accuracy.md``, "Keys coded")."""
     if not use_triton(backend, q, _kernels):
         return coded_scores_ref(q, codes, sum_min, sum_max, block_table, summary_block_table, num_candidates,
                                 num_kv_heads, bits, max_candidates)
