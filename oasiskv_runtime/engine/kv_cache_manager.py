@@ -66,12 +66,12 @@ class RequestBlocks:
     @property
     def held_device_blocks(self) -> list[int]:
         """Every device block the request holds (full KV, working set, summaries, key codes): what freeing it returns
-        to the device pool; ``num_device_blocks`` counts the same lists."""
+        to the device pool."""
         return self.device_blocks + self.ws_blocks + self.summary_blocks + self.code_blocks
 
     @property
     def num_device_blocks(self) -> int:
-        return len(self.device_blocks) + len(self.ws_blocks) + len(self.summary_blocks) + len(self.code_blocks)
+        return len(self.held_device_blocks)
 
     @property
     def slot_blocks(self) -> list[int]:
