@@ -695,12 +695,14 @@ def bench_summary(res, quick):
 def bench_coded(res, quick):
     """Coded-key block scores (``ops/key_codes.coded_scores``) at Qwen3-8B's heads, 16K context (1024 blocks of 16),
     2 bits; checked against ``coded_scores_ref`` (values, top-128 sets) and timed per launch (``block_j``,
-    ``num_warps``), beside Quest's score over the same summaries."""
+    ``num_warps``) on the codes in the cache's layout and stored head-major (``_hm``, as ``KeyCodes`` stores them),
+    beside Quest's score over the same summaries and a plain gather of the code rows (the memory's ceiling)."""
     Hq, Hkv, D, BS, J, bits, k = 32, 8, 128, 16, 1024, 2, 128
     dt = torch.bfloat16
-    # launches (block_j, num_warps) beside the default (16, 2)
-    configs = [{}] + [dict(block_j=bj, num_warps=w) for bj, w in ((16, 4),) + (() if quick else (
-        (16, 1), (32, 2), (32, 4)))]
+    # launches (variant, block_j, num_warps) beside the default (tile, 8, 4)
+    configs = [{}] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (("key", 16, 2), ("tile", 8, 2)) + (
+        () if quick else (("key", 16, 4), ("key", 16, 1), ("key", 32, 2), ("tile", 4, 2), ("tile", 4, 4),
+                          ("tile", 16, 4), ("tile", 16, 8), ("tile", 8, 8)))]
     out = {"shape": dict(Hq=Hq, Hkv=Hkv, D=D, block_size=BS, blocks=J, bits=bits)}
     for B in (16, 64):
         pages = J // BS
@@ -723,10 +725,12 @@ def bench_coded(res, quick):
         ref = kc.coded_scores_ref(q, codes, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J)
         rids, _ = st.select_topk(ref, nc, k)
         bytes_ = B * Hkv * J * (BS * D * bits // 8 + 2 * D * 2)  # codes + min/max rows
-        for cfg in configs:
-            name = "default" if not cfg else f"bj{cfg['block_j']}_w{cfg['num_warps']}"
-            def run(cfg=cfg):
-                return kc.coded_scores(q, codes, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J, **cfg)
+        # the same codes stored head-major ([rows, Hkv, block_size, bytes] in memory, viewed in the cache's order)
+        codes_hm = codes.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        for cfg, lay in [(c, "") for c in configs] + [(c, "_hm") for c in configs]:
+            name = ("default" if not cfg else f"{cfg['variant']}_bj{cfg['block_j']}_w{cfg['num_warps']}") + lay
+            def run(cfg=cfg, cc=codes_hm if lay else codes):
+                return kc.coded_scores(q, cc, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J, **cfg)
             try:
                 got = run()
                 ids, _ = st.select_topk(got, nc, k)
@@ -743,9 +747,13 @@ def bench_coded(res, quick):
         m, _ = time_ms(lambda: codes.index_select(0, ctab.flatten()))
         row["code_rows_gather_ms"] = m
         row["code_rows_gather_GBps"] = 2 * ctab.numel() * codes[0].numel() / m / 1e6  # read + write
+        # the default on code rows in allocation order (no permuted block table): does their scatter matter?
+        seq = torch.arange(NB, device="cuda").view(B, J)
+        m, _ = time_ms(lambda: kc.coded_scores(q, codes_hm, smin, smax, seq, stab, nc, Hkv, bits, max_candidates=J))
+        row["default_hm_rows_in_order_ms"] = m
         row["bytes_read"] = bytes_
         out[f"B{B}"] = row
-        del codes, smin, smax, ref
+        del codes, codes_hm, smin, smax, ref
         torch.cuda.empty_cache()
     res["coded_scores"] = out
 
@@ -875,7 +883,8 @@ def print_table(res):
                 cells = ", ".join(f"{n} {x['ms'] * 1e3:.0f} us ({x['GBps']:.0f} GB/s, diff {x['max_abs_diff']:.1e}, "
                                   f"top-k {x['topk_set_max_diff']:.1e})" if "ms" in x else f"{n}: {x['error'][:60]}"
                                   for n, x in row.items() if isinstance(x, dict))
-                print(f"  {b}: quest {row['quest_score_ms'] * 1e3:.0f} us; {cells}")
+                print(f"  {b}: quest {row['quest_score_ms'] * 1e3:.0f} us, code rows gathered at "
+                      f"{row['code_rows_gather_GBps']:.0f} GB/s; {cells}")
     if "gather_interference" in res:
         print("\n" + "\n".join(interference_lines(res["gather_interference"])))
     for k, v in res["errors"].items():

@@ -52,13 +52,15 @@ def test_unpack_inverts_pack_on_every_level():
 
 @pytest.mark.parametrize("device,backend", [pytest.param("cpu", "ref", id="ref")] + [
     pytest.param(p.values[0], "triton", id=p.id or p.values[0], marks=p.marks) for p in KERNEL_DEVICES])
+@pytest.mark.parametrize("variant", ["tile", "key"])
 @pytest.mark.parametrize("bs,bits,bound", [(16, 2, None), (16, 1, 13), (8, 4, None), (12, 2, 17), (8, 8, None)])
-def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device, backend, bs, bits, bound):
+def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device, backend, bs, bits, bound, variant):
     """Summaries in the engine's layout (summary block ``j // bs``, row ``j % bs`` of each request's summary table)
     and codes in the KV cache's, both built from the same keys: the score equals ``coded_max_logit_scores`` on the
     keys themselves, the ranking the NIAH study measured; the plain-PyTorch reference and the Triton kernel (on CUDA,
     and on the CPU in Triton's interpreter) alike, fresh random inputs and odd sizes (head dim 24, 3 query heads a
-    KV head, a request without candidates, a bound under and over the candidates)."""
+    KV head, a request without candidates, a bound under and over the candidates); both kernels, the codes in the
+    cache's layout and stored head-major as ``KeyCodes`` stores them."""
     hkv, d = 2, 24
     q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, d=d)
     nb = k_cache.shape[0]
@@ -72,11 +74,12 @@ def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device
     codes = pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), bits)
     assert codes.shape[0] == nb
     to = lambda t: t.to(device)  # noqa: E731
-    got = coded_scores(to(q), to(codes), to(mins), to(maxs), to(table), to(summary_table), to(num_candidates), hkv,
-                       bits, bound, backend=backend).cpu()
     want = coded_max_logit_scores(q, k_cache, table, num_candidates, hkv, bits, bound or 11)
-    assert got.shape == want.shape == (3, hkv, bound or 11)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    for stored in (codes, codes.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)):
+        got = coded_scores(to(q), to(stored), to(mins), to(maxs), to(table), to(summary_table), to(num_candidates),
+                           hkv, bits, bound, backend=backend, variant=variant).cpu()
+        assert got.shape == want.shape == (3, hkv, bound or 11)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_formats_that_are_not_whole_bytes_are_refused():
@@ -131,7 +134,8 @@ def test_code_blocks_per_request_and_their_rows(element_size, bits, rows):
             assert mine == [p * half + r for r in range(half)] + [(n_dev + p) * half + r for r in range(half)]
     every = kv.blocks(seqs[0]).code_rows + kv.blocks(seqs[1]).code_rows
     assert len(set(every)) == len(every)
-    assert not set(kv.blocks(seqs[0]).code_blocks) & set(kv.blocks(seqs[0]).summary_blocks + kv.blocks(seqs[0]).ws_blocks)
+    first = kv.blocks(seqs[0])
+    assert not set(first.code_blocks) & set(first.summary_blocks + first.ws_blocks)
     for x in seqs:
         kv.free(x)
     assert kv.device_pool.num_free == n_dev

@@ -111,15 +111,9 @@ def coded_scores_ref(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor
 def _kernels():
 
     @triton.jit
-    def _coded_score_kernel(
-        Q, CODES, SMIN, SMAX, CTAB, STAB, NCAND, OUT, n_cols, n_pages, n_code_cols,
-        s_qb, s_qh, s_cr, s_ct, s_ch, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, s_cb, s_sb, s_ob, s_oh,
-        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-        BITS: tl.constexpr, BLOCK_J: tl.constexpr,
-    ):
-        # One program per (request, KV head, BLOCK_J candidates): each candidate's min/max row and, key by key, its
-        # codes (a byte holds 8 / BITS dimensions, the lowest bits first) -> k^ = lo + level * step, the group's
-        # largest q . k^ over the block's keys.
+    def _candidates(CTAB, STAB, NCAND, n_cols, n_pages, n_code_cols, s_cb, s_sb, HKV: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_J: tl.constexpr):
+        # A program's (request, KV head) and its BLOCK_J candidates: each one's code row and summary row (page, row).
         pid = tl.program_id(0)
         b = pid // HKV
         h = pid % HKV
@@ -131,15 +125,37 @@ def _kernels():
         page = tl.load(STAB + b64 * s_sb + pg, mask=ok & (pg < n_pages), other=0).to(tl.int64)
         crow = tl.load(CTAB + b64 * s_cb + j, mask=ok, other=0).to(tl.int64)
         ok = ok & (page >= 0) & (crow >= 0)
-        row = j % BS
+        return b64, h, j, ok, page, crow, j % BS
+
+    @triton.jit
+    def _levels_range(SMIN, SMAX, page, row, h, ok, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, D: tl.constexpr,
+                      D_PAD: tl.constexpr, BITS: tl.constexpr):
+        # The candidates' min rows and level spacing [BLOCK_J, D_PAD] (fp32): a coded key is lo + level * step.
         d = tl.arange(0, D_PAD)
-        d_ok = d < D
-        m2 = ok[:, None] & d_ok[None, :]
+        m2 = ok[:, None] & (d < D)[None, :]
         lo = tl.load(SMIN + (page * s_mb + row * s_mt + h * s_mh)[:, None] + d[None, :], mask=m2,
                      other=0.0).to(tl.float32)
         hi = tl.load(SMAX + (page * s_xb + row * s_xt + h * s_xh)[:, None] + d[None, :], mask=m2,
                      other=0.0).to(tl.float32)
-        step = (hi - lo) / (2 ** BITS - 1)
+        return lo, (hi - lo) / (2 ** BITS - 1), m2
+
+    # the kernels resolve their helpers in the module's globals (as ``tl``)
+    globals().update(_candidates=_candidates, _levels_range=_levels_range)
+
+    @triton.jit
+    def _coded_score_kernel(
+        Q, CODES, SMIN, SMAX, CTAB, STAB, NCAND, OUT, n_cols, n_pages, n_code_cols,
+        s_qb, s_qh, s_cr, s_ct, s_ch, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, s_cb, s_sb, s_ob, s_oh,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+        BITS: tl.constexpr, BLOCK_J: tl.constexpr,
+    ):
+        # One program per (request, KV head, BLOCK_J candidates): each candidate's min/max row and, key by key, its
+        # codes (a byte holds 8 / BITS dimensions, the lowest bits first) -> k^ = lo + level * step, the group's
+        # largest q . k^ over the block's keys.
+        b64, h, j, ok, page, crow, row = _candidates(CTAB, STAB, NCAND, n_cols, n_pages, n_code_cols, s_cb, s_sb,
+                                                     HKV, BS, BLOCK_J)
+        lo, step, m2 = _levels_range(SMIN, SMAX, page, row, h, ok, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, D, D_PAD, BITS)
+        d = tl.arange(0, D_PAD)
         PER: tl.constexpr = 8 // BITS
         shift = (d % PER) * BITS
         cptr = CODES + (crow * s_cr + h * s_ch)[:, None] + (d // PER)[None, :]
@@ -148,27 +164,67 @@ def _kernels():
             byte = tl.load(cptr + t * s_ct, mask=m2, other=0).to(tl.int32)
             key = lo + ((byte >> shift[None, :]) & (2 ** BITS - 1)).to(tl.float32) * step
             for gi in tl.static_range(G):
-                qg = tl.load(Q + b64 * s_qb + (h * G + gi) * s_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+                qg = tl.load(Q + b64 * s_qb + (h * G + gi) * s_qh + d, mask=d < D, other=0.0).to(tl.float32)
                 best = tl.maximum(best, tl.sum(qg[None, :] * key, 1))
         best = tl.where(ok, best, float("-inf"))
         tl.store(OUT + b64 * s_ob + h * s_oh + j, best, mask=j < n_cols)
 
+    @triton.jit
+    def _coded_tile_kernel(
+        Q, CODES, SMIN, SMAX, CTAB, STAB, NCAND, OUT, n_cols, n_pages, n_code_cols,
+        s_qb, s_qh, s_cr, s_ct, s_ch, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, s_cb, s_sb, s_ob, s_oh,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+        BS_PAD: tl.constexpr, BITS: tl.constexpr, BLOCK_J: tl.constexpr,
+    ):
+        # One program per (request, KV head, BLOCK_J candidates), all keys of a candidate at once: the levels as one
+        # [BLOCK_J, BS_PAD, D_PAD] tile (one load; with the codes stored head-major a candidate's codes for a head are
+        # one run), per query head one reduction over D of (q * step) . level plus q . lo.
+        b64, h, j, ok, page, crow, row = _candidates(CTAB, STAB, NCAND, n_cols, n_pages, n_code_cols, s_cb, s_sb,
+                                                     HKV, BS, BLOCK_J)
+        lo, step, m2 = _levels_range(SMIN, SMAX, page, row, h, ok, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, D, D_PAD, BITS)
+        d = tl.arange(0, D_PAD)
+        t = tl.arange(0, BS_PAD)
+        PER: tl.constexpr = 8 // BITS
+        byte = tl.load(CODES + (crow * s_cr + h * s_ch)[:, None, None] + (t * s_ct)[None, :, None]
+                       + (d // PER)[None, None, :], mask=m2[:, None, :] & (t < BS)[None, :, None],
+                       other=0).to(tl.int32)                                                  # [BLOCK_J, BS_PAD, D_PAD]
+        level = ((byte >> ((d % PER) * BITS)[None, None, :]) & (2 ** BITS - 1)).to(tl.float32)
+        best = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
+        for gi in tl.static_range(G):
+            qg = tl.load(Q + b64 * s_qb + (h * G + gi) * s_qh + d, mask=d < D, other=0.0).to(tl.float32)
+            logit = tl.sum((qg[None, :] * step)[:, None, :] * level, 2)                            # [BLOCK_J, BS_PAD]
+            logit = tl.where((t < BS)[None, :], logit, float("-inf"))
+            best = tl.maximum(best, tl.sum(qg[None, :] * lo, 1) + tl.max(logit, 1))
+        best = tl.where(ok, best, float("-inf"))
+        tl.store(OUT + b64 * s_ob + h * s_oh + j, best, mask=j < n_cols)
+
     from types import SimpleNamespace
-    return SimpleNamespace(score=_coded_score_kernel)
+    return SimpleNamespace(score=_coded_score_kernel, tile=_coded_tile_kernel)
+
+
+TILE_MAX_ELEMENTS = 16 * 128
+"""The tile kernel holds a program's levels ``[block_j, block_size, D]`` (padded to powers of two) in registers: up to
+this many a candidate (block size 16 at head dim 128, where it was measured), the key-by-key kernel beyond."""
 
 
 def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
                  block_table: torch.Tensor, summary_block_table: torch.Tensor, num_candidates: torch.Tensor,
                  num_kv_heads: int, bits: int, max_candidates: Optional[int] = None, block_j: Optional[int] = None,
-                 *, num_warps: int = 2, backend: str = "auto") -> torch.Tensor:
+                 *, num_warps: Optional[int] = None, variant: str = "auto", backend: str = "auto") -> torch.Tensor:
     """Each candidate block's largest logit over its coded keys, ``[B, Hkv, J]`` fp32, ``-inf`` beyond
-    ``num_candidates``: the Triton kernel (one pass over the candidates' codes and min/max rows, no decoded keys in
-    memory), or with ``backend="ref"`` (and ``"auto"`` off CUDA) :func:`coded_scores_ref`. Arguments as there;
-    ``block_j`` (candidates a program) and ``num_warps`` are the kernel's launch, swept by ``bench_kernels.py --only
-    coded``: 2 warps, 10% faster than 4 on the H100 at Qwen3-8B's heads (``docs/accuracy.md``, "Keys coded")."""
+    ``num_candidates``: a Triton kernel (one pass over the candidates' codes and min/max rows, no decoded keys in
+    memory), or with ``backend="ref"`` (and ``"auto"`` off CUDA) :func:`coded_scores_ref`. Arguments as there.
+
+    ``variant``: ``"tile"`` (all keys of ``block_j`` candidates as one tile; 8 candidates and 4 warps by default:
+    on the H100 at Qwen3-8B's heads and 16K, 451 us for 16 requests against the key-by-key kernel's 649 with the
+    codes stored head-major as ``KeyCodes`` stores them, ``docs/accuracy.md``, "Keys coded"), ``"key"`` (key by key,
+    16 candidates and 2 warps by default) or ``"auto"`` (tile up to :data:`TILE_MAX_ELEMENTS` levels a candidate).
+    ``block_j`` / ``num_warps``: the launch, swept by ``bench_kernels.py --only coded``."""
     if not use_triton(backend, q, _kernels):
         return coded_scores_ref(q, codes, sum_min, sum_max, block_table, summary_block_table, num_candidates,
                                 num_kv_heads, bits, max_candidates)
+    if variant not in ("auto", "tile", "key"):
+        raise ValueError(f"variant={variant!r}: auto, tile or key")
     B, Hq, D = q.shape
     hkv = int(num_kv_heads)
     if Hq % hkv:
@@ -184,18 +240,23 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     stab = summary_block_table if summary_block_table.stride(-1) == 1 else summary_block_table.contiguous()
     ctab = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     nc = num_candidates.to(device=q.device, dtype=torch.int32)
-    d_pad = max(16, next_pow2(D))
-    block_j = block_j or (16 if d_pad >= 128 else 32)
+    d_pad, bs = max(16, next_pow2(D)), codes.shape[1]
+    if variant == "auto":
+        variant = "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key"
     kernels = _kernels()  # (binds ``triton`` here)
-    grid = (B * hkv, triton.cdiv(J, block_j))
-    with on_device(q):
-        kernels.score[grid](
-            q, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],
+    args = (q, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],
             q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
             sum_min.stride(0), sum_min.stride(1), sum_min.stride(2),
             sum_max.stride(0), sum_max.stride(1), sum_max.stride(2),
-            ctab.stride(0), stab.stride(0), out.stride(0), out.stride(1),
-            HKV=hkv, G=Hq // hkv, D=D, D_PAD=d_pad, BS=codes.shape[1], BITS=bits, BLOCK_J=block_j,
-            num_warps=num_warps,
-        )
+            ctab.stride(0), stab.stride(0), out.stride(0), out.stride(1))
+    shape = dict(HKV=hkv, G=Hq // hkv, D=D, D_PAD=d_pad, BS=bs, BITS=bits)
+    with on_device(q):
+        if variant == "tile":
+            block_j = block_j or 8
+            kernels.tile[(B * hkv, triton.cdiv(J, block_j))](*args, **shape, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
+                                                              num_warps=num_warps or 4)
+        else:
+            block_j = block_j or (16 if d_pad >= 128 else 32)
+            kernels.score[(B * hkv, triton.cdiv(J, block_j))](*args, **shape, BLOCK_J=block_j,
+                                                               num_warps=num_warps or 2)
     return out
