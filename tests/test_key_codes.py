@@ -90,6 +90,15 @@ def test_formats_that_are_not_whole_bytes_are_refused():
         pack_codes(keys, keys.amin(1), keys.amax(1), 1)
 
 
+def test_an_unknown_kernel_variant_is_refused_on_every_backend():
+    q, k_cache, table, num_candidates = scorer_inputs(16, 0, hkv=2, d=24)
+    codes = pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), 2)
+    for backend in ("ref", "auto"):
+        with pytest.raises(ValueError, match="variant='words': auto, tile or key"):
+            coded_scores(q, codes, k_cache, k_cache, table, table, num_candidates, 2, 2, 11, backend=backend,
+                         variant="words")
+
+
 # ---- the engine that keeps them ------------------------------------------------------------------------------------
 SPARSE = ["sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"]
 PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]

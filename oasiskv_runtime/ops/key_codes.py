@@ -220,11 +220,11 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     codes stored head-major as ``KeyCodes`` stores them, ``docs/accuracy.md``, "Keys coded"), ``"key"`` (key by key,
     16 candidates and 2 warps by default) or ``"auto"`` (tile up to :data:`TILE_MAX_ELEMENTS` levels a candidate).
     ``block_j`` / ``num_warps``: the launch, swept by ``bench_kernels.py --only coded``."""
+    if variant not in ("auto", "tile", "key"):
+        raise ValueError(f"variant={variant!r}: auto, tile or key")
     if not use_triton(backend, q, _kernels):
         return coded_scores_ref(q, codes, sum_min, sum_max, block_table, summary_block_table, num_candidates,
                                 num_kv_heads, bits, max_candidates)
-    if variant not in ("auto", "tile", "key"):
-        raise ValueError(f"variant={variant!r}: auto, tile or key")
     B, Hq, D = q.shape
     hkv = int(num_kv_heads)
     if Hq % hkv:
