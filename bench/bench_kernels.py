@@ -694,15 +694,16 @@ def bench_summary(res, quick):
 
 def bench_coded(res, quick):
     """Coded-key block scores (``ops/key_codes.coded_scores``) at Qwen3-8B's heads, 16K context (1024 blocks of 16),
-    2 bits; checked against ``coded_scores_ref`` (values, top-128 sets) and timed per launch (``block_j``,
+    2 bits; checked against ``coded_scores_ref`` (values with fp32 keys and with the keys rounded to bf16 as the
+    tensor-core kernel rounds them, top-128 sets) and timed per launch (``block_j``,
     ``num_warps``) on the codes in the cache's layout and stored head-major (``_hm``, as ``KeyCodes`` stores them),
     beside Quest's score over the same summaries and a plain gather of the code rows (the memory's ceiling)."""
     Hq, Hkv, D, BS, J, bits, k = 32, 8, 128, 16, 1024, 2, 128
     dt = torch.bfloat16
-    # launches (variant, block_j, num_warps) beside the default (tile, 8, 4)
-    configs = [{}] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (("key", 16, 2), ("tile", 8, 2)) + (
-        () if quick else (("key", 16, 4), ("key", 16, 1), ("key", 32, 2), ("tile", 4, 2), ("tile", 4, 4),
-                          ("tile", 16, 4), ("tile", 16, 8), ("tile", 8, 8)))]
+    # launches (variant, block_j, num_warps) beside the default (for bf16 queries: dot, 4, 4)
+    configs = [{}] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (("key", 16, 2), ("tile", 8, 4)) + (
+        () if quick else (("dot", 2, 4), ("dot", 4, 2), ("dot", 8, 4), ("dot", 8, 8), ("dot", 16, 8),
+                          ("key", 16, 4), ("tile", 8, 2), ("tile", 4, 4)))]
     out = {"shape": dict(Hq=Hq, Hkv=Hkv, D=D, block_size=BS, blocks=J, bits=bits)}
     for B in (16, 64):
         pages = J // BS
@@ -723,10 +724,13 @@ def bench_coded(res, quick):
         q = torch.randn(B, Hq, D, device="cuda", dtype=dt)
         row = {}
         ref = kc.coded_scores_ref(q, codes, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J)
+        # the dot kernel rounds each coded key to the query's dtype: checked against the reference that does too
+        ref_rounded = kc.coded_scores_ref(q, codes, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J,
+                                          key_dtype=q.dtype)
         rids, _ = st.select_topk(ref, nc, k)
         bytes_ = B * Hkv * J * (BS * D * bits // 8 + 2 * D * 2)  # codes + min/max rows
         # the same codes stored head-major ([rows, Hkv, block_size, bytes] in memory, viewed in the cache's order)
-        codes_hm = codes.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        codes_hm = kc.head_major(codes)
         for cfg, lay in [(c, "") for c in configs] + [(c, "_hm") for c in configs]:
             name = ("default" if not cfg else f"{cfg['variant']}_bj{cfg['block_j']}_w{cfg['num_warps']}") + lay
             def run(cfg=cfg, cc=codes_hm if lay else codes):
@@ -736,6 +740,7 @@ def bench_coded(res, quick):
                 ids, _ = st.select_topk(got, nc, k)
                 m, _ = time_ms(run)
                 row[name] = dict(ms=m, GBps=bytes_ / m / 1e6, max_abs_diff=(got - ref).abs().max().item(),
+                                 max_abs_diff_rounded_keys=(got - ref_rounded).abs().max().item(),
                                  topk_set_max_diff=(torch.gather(ref, 2, ids.long())
                                                     - torch.gather(ref, 2, rids.long())).abs().max().item())
             except Exception as e:  # a launch configuration that does not compile: report it, keep going
@@ -753,7 +758,7 @@ def bench_coded(res, quick):
         row["default_hm_rows_in_order_ms"] = m
         row["bytes_read"] = bytes_
         out[f"B{B}"] = row
-        del codes, codes_hm, smin, smax, ref
+        del codes, codes_hm, smin, smax, ref, ref_rounded
         torch.cuda.empty_cache()
     res["coded_scores"] = out
 
@@ -881,7 +886,8 @@ def print_table(res):
         for b, row in res["coded_scores"].items():
             if b.startswith("B"):
                 cells = ", ".join(f"{n} {x['ms'] * 1e3:.0f} us ({x['GBps']:.0f} GB/s, diff {x['max_abs_diff']:.1e}, "
-                                  f"top-k {x['topk_set_max_diff']:.1e})" if "ms" in x else f"{n}: {x['error'][:60]}"
+                                  f"rounded keys {x['max_abs_diff_rounded_keys']:.1e}, top-k "
+                                  f"{x['topk_set_max_diff']:.1e})" if "ms" in x else f"{n}: {x['error'][:60]}"
                                   for n, x in row.items() if isinstance(x, dict))
                 print(f"  {b}: quest {row['quest_score_ms'] * 1e3:.0f} us, code rows gathered at "
                       f"{row['code_rows_gather_GBps']:.0f} GB/s; {cells}")

@@ -14,7 +14,7 @@ from oasiskv_runtime.config import EngineConfig, Mode
 from oasiskv_runtime.core.summaries import KeyCodes
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.engine.sequence import Sequence
-from oasiskv_runtime.ops.key_codes import coded_scores, pack_codes, unpack_codes
+from oasiskv_runtime.ops.key_codes import coded_scores, coded_scores_ref, head_major, pack_codes, unpack_codes
 from oasiskv_runtime.ops.split_quest import coded_max_logit_scores
 from tests.kernel_devices import KERNEL_DEVICES
 from tests.selection_checks import scorer_inputs
@@ -52,15 +52,16 @@ def test_unpack_inverts_pack_on_every_level():
 
 @pytest.mark.parametrize("device,backend", [pytest.param("cpu", "ref", id="ref")] + [
     pytest.param(p.values[0], "triton", id=p.id or p.values[0], marks=p.marks) for p in KERNEL_DEVICES])
-@pytest.mark.parametrize("variant", ["tile", "key"])
+@pytest.mark.parametrize("variant", ["dot", "tile", "key"])
 @pytest.mark.parametrize("bs,bits,bound", [(16, 2, None), (16, 1, 13), (8, 4, None), (12, 2, 17), (8, 8, None)])
 def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device, backend, bs, bits, bound, variant):
     """Summaries in the engine's layout (summary block ``j // bs``, row ``j % bs`` of each request's summary table)
     and codes in the KV cache's, both built from the same keys: the score equals ``coded_max_logit_scores`` on the
     keys themselves, the ranking the NIAH study measured; the plain-PyTorch reference and the Triton kernel (on CUDA,
     and on the CPU in Triton's interpreter) alike, fresh random inputs and odd sizes (head dim 24, 3 query heads a
-    KV head, a request without candidates, a bound under and over the candidates); both kernels, the codes in the
-    cache's layout and stored head-major as ``KeyCodes`` stores them."""
+    KV head, a request without candidates, a bound under and over the candidates); every kernel (fp32 queries: the
+    tensor-core kernel's products in full fp32), the codes in the cache's layout and stored head-major as
+    ``KeyCodes`` stores them."""
     hkv, d = 2, 24
     q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, d=d)
     nb = k_cache.shape[0]
@@ -75,11 +76,54 @@ def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device
     assert codes.shape[0] == nb
     to = lambda t: t.to(device)  # noqa: E731
     want = coded_max_logit_scores(q, k_cache, table, num_candidates, hkv, bits, bound or 11)
-    for stored in (codes, codes.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)):
+    for stored in (codes, head_major(codes)):
         got = coded_scores(to(q), to(stored), to(mins), to(maxs), to(table), to(summary_table), to(num_candidates),
                            hkv, bits, bound, backend=backend, variant=variant).cpu()
         assert got.shape == want.shape == (3, hkv, bound or 11)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", [pytest.param(p.values[0], id=p.id or p.values[0], marks=p.marks)
+                                    for p in KERNEL_DEVICES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs,bits,d", [(16, 2, 24), (12, 2, 40), (8, 4, 24), (16, 1, 64), (8, 8, 24), (16, 2, 128)])
+def test_the_tensor_core_kernel_rounds_each_coded_key_to_the_query_dtype(device, dtype, bs, bits, d):
+    """16-bit queries and summaries (a model's own): the ``dot`` kernel (what ``auto`` picks for them) decodes each
+    key in fp32 and rounds it to the query's dtype before its tensor-core product, and equals the reference that does
+    the same (``key_dtype``) to fp32 rounding; the fp32 keys' scores differ from it by no more than that rounding can
+    make (half a unit in the last place of each key, bf16's 2^-9 of it, times ``|q|``). Fresh random inputs, odd
+    sizes, both code layouts, a bound over the candidates."""
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bf16 tiles as their raw bits")
+    hkv, g = 2, 3
+    q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, g=g, d=d)
+    q, k_cache = q.to(dtype), k_cache.to(dtype)
+    nb, pages = k_cache.shape[0], 2
+    mins, maxs = torch.zeros(3 * pages, bs, hkv, d, dtype=dtype), torch.zeros(3 * pages, bs, hkv, d, dtype=dtype)
+    summary_table = torch.arange(3 * pages).view(3, pages)
+    for b in range(3):
+        for j in range(14):
+            blk = k_cache[int(table[b, j])]
+            mins[int(summary_table[b, j // bs]), j % bs] = blk.amin(0)
+            maxs[int(summary_table[b, j // bs]), j % bs] = blk.amax(0)
+    codes = pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), bits)
+    args = (q, codes, mins, maxs, table, summary_table, num_candidates, hkv, bits, 15)
+    rounded = coded_scores_ref(*args, key_dtype=dtype)
+    exact = coded_scores_ref(*args)
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    for stored in (codes, head_major(codes)):
+        dev_args = [to(a) for a in args]
+        dev_args[1] = to(stored)
+        got = coded_scores(*dev_args, variant="dot", backend="triton").cpu()
+        torch.testing.assert_close(got, rounded, rtol=1e-5, atol=1e-4)
+    ulp = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    fin = torch.isfinite(exact)
+    assert torch.equal(fin, torch.isfinite(rounded))
+    # |key - round(key)| <= |key| * ulp / 2 for every key: the scores move by at most sum_d |q_d| |k_d| ulp / 2
+    bound = q.float().abs().sum(-1).amax() * k_cache.float().abs().amax() * ulp / 2
+    assert float((rounded[fin] - exact[fin]).abs().max()) <= float(bound)
+    if bits > 1:  # (with one bit a coded key is its block's min or max, already in the dtype)
+        assert not torch.equal(rounded[fin], exact[fin])  # the rounding is there
 
 
 def test_formats_that_are_not_whole_bytes_are_refused():
@@ -94,7 +138,7 @@ def test_an_unknown_kernel_variant_is_refused_on_every_backend():
     q, k_cache, table, num_candidates = scorer_inputs(16, 0, hkv=2, d=24)
     codes = pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), 2)
     for backend in ("ref", "auto"):
-        with pytest.raises(ValueError, match="variant='words': auto, tile or key"):
+        with pytest.raises(ValueError, match="variant='words': auto, dot, tile, key"):
             coded_scores(q, codes, k_cache, k_cache, table, table, num_candidates, 2, 2, 11, backend=backend,
                          variant="words")
 

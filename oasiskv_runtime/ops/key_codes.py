@@ -29,8 +29,8 @@ from oasiskv_runtime.ops.attention_mass import candidate_blocks
 from oasiskv_runtime.ops.common import lazy_kernels, next_pow2, on_device, use_triton
 from oasiskv_runtime.ops.score_topk import _gather_summaries, _num_cols
 
-__all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "coded_scores_ref", "level_step",
-           "pack_codes", "unpack_codes"]
+__all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "coded_scores_ref", "head_major",
+           "level_step", "pack_codes", "unpack_codes"]
 
 CODE_BITS = (1, 2, 4, 8)
 """Bits per key dimension the format packs (a divisor of 8)."""
@@ -79,11 +79,20 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.view(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
+def head_major(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_codes`'s rows ``[n, block_size, Hkv, bytes]`` copied head-major (``[n, Hkv, block_size, bytes]`` in
+    memory, a block's codes for one KV head one run) and viewed in the cache's order again: how
+    ``core/summaries.KeyCodes`` stores them, for a kernel test or benchmark that starts from packed rows."""
+    return codes.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
 def coded_scores_ref(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
                      block_table: torch.Tensor, summary_block_table: torch.Tensor, num_candidates: torch.Tensor,
-                     num_kv_heads: int, bits: int, max_candidates: Optional[int] = None) -> torch.Tensor:
+                     num_kv_heads: int, bits: int, max_candidates: Optional[int] = None,
+                     key_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Plain-PyTorch reference of :func:`coded_scores`: each candidate block's largest logit over its coded keys,
-    ``[B, Hkv, J]`` fp32, ``-inf`` beyond ``num_candidates``.
+    ``[B, Hkv, J]`` fp32, ``-inf`` beyond ``num_candidates``. ``key_dtype``: each coded key (fp32) rounded to it
+    before the product, as the tensor-core kernel rounds them to the query's dtype (``variant="dot"``).
 
     ``q``: ``[B, Hq, D]``; ``codes``: ``[num_blocks, block_size, Hkv, D * bits / 8]`` one layer's codes, block
     ``block_table[b, j]`` holding logical block ``j``'s; ``sum_min`` / ``sum_max`` / ``summary_block_table``: the
@@ -102,6 +111,8 @@ def coded_scores_ref(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor
     for h in range(hkv):  # one KV head at a time keeps the decoded keys [B, J, bs, D] small
         level = unpack_codes(codes[:, :, h][blocks], bits).float()                         # [B, J, bs, D]
         keys = lo[:, :, h].unsqueeze(2) + level * step[:, :, h].unsqueeze(2)
+        if key_dtype is not None:
+            keys = keys.to(key_dtype).float()
         logits = torch.bmm(qf[:, h], keys.view(B, J * bs, D).transpose(1, 2))                # [B, g, J * bs]
         out[:, h] = logits.view(B, -1, J, bs).amax(dim=3).amax(dim=1)
     return out.masked_fill_(~ok.view(B, 1, J), float("-inf"))
@@ -198,9 +209,54 @@ def _kernels():
         best = tl.where(ok, best, float("-inf"))
         tl.store(OUT + b64 * s_ob + h * s_oh + j, best, mask=j < n_cols)
 
-    from types import SimpleNamespace
-    return SimpleNamespace(score=_coded_score_kernel, tile=_coded_tile_kernel)
+    @triton.jit
+    def _coded_dot_kernel(
+        Q, CODES, SMIN, SMAX, CTAB, STAB, NCAND, OUT, n_cols, n_pages, n_code_cols,
+        s_qb, s_qh, s_cr, s_ct, s_ch, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, s_cb, s_sb, s_ob, s_oh,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+        BS_PAD: tl.constexpr, BITS: tl.constexpr, BLOCK_J: tl.constexpr, G_PAD: tl.constexpr,
+    ):
+        # One program per (request, KV head, BLOCK_J candidates): the candidates' keys decoded in the query's dtype
+        # and multiplied with the group's queries on the tensor cores. The product over D is taken as PER products,
+        # one per level position p of a byte: product p pairs dimension c * PER + p of every byte c with the same
+        # query dimensions, so each code byte is loaded once ([BLOCK_J, BS_PAD, D_PAD / PER]).
+        b64, h, j, ok, page, crow, row = _candidates(CTAB, STAB, NCAND, n_cols, n_pages, n_code_cols, s_cb, s_sb,
+                                                     HKV, BS, BLOCK_J)
+        PER: tl.constexpr = 8 // BITS
+        c = tl.arange(0, D_PAD // PER)
+        t = tl.arange(0, BS_PAD)
+        g = tl.arange(0, G_PAD)
+        mc = ok[:, None] & (c * PER < D)[None, :]
+        byte = tl.load(CODES + (crow * s_cr + h * s_ch)[:, None, None] + (t * s_ct)[None, :, None] + c[None, None, :],
+                       mask=mc[:, None, :] & (t < BS)[None, :, None], other=0).to(tl.int32)
+        mrow = page * s_mb + row * s_mt + h * s_mh
+        xrow = page * s_xb + row * s_xt + h * s_xh
+        qrow = Q + b64 * s_qb + (h * G + g) * s_qh
+        acc = tl.zeros((BLOCK_J * BS_PAD, G_PAD), dtype=tl.float32)
+        for p in tl.static_range(PER):
+            dim = c * PER + p
+            lo = tl.load(SMIN + mrow[:, None] + dim[None, :], mask=mc, other=0.0).to(tl.float32)
+            hi = tl.load(SMAX + xrow[:, None] + dim[None, :], mask=mc, other=0.0).to(tl.float32)
+            step = tl.math.div_rn(hi - lo, 2.0 ** BITS - 1)  # IEEE division, as the reference's
+            level = ((byte >> (p * BITS)) & (2 ** BITS - 1)).to(tl.float32)
+            key = (lo[:, None, :] + level * step[:, None, :]).to(Q.dtype.element_ty)   # [BLOCK_J, BS_PAD, D_PAD/PER]
+            qp = tl.load(qrow[None, :] + dim[:, None], mask=(g < G)[None, :] & (dim < D)[:, None], other=0.0)
+            key = tl.reshape(key, (BLOCK_J * BS_PAD, D_PAD // PER))
+            if Q.dtype.element_ty == tl.float32:
+                acc = tl.dot(key, qp, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(key, qp, acc)
+        logit = tl.reshape(acc, (BLOCK_J, BS_PAD, G_PAD))
+        logit = tl.where((t < BS)[None, :, None] & (g < G)[None, None, :], logit, float("-inf"))
+        best = tl.where(ok, tl.max(tl.max(logit, 2), 1), float("-inf"))
+        tl.store(OUT + b64 * s_ob + h * s_oh + j, best, mask=j < n_cols)
 
+    from types import SimpleNamespace
+    return SimpleNamespace(score=_coded_score_kernel, tile=_coded_tile_kernel, dot=_coded_dot_kernel)
+
+
+VARIANTS = ("auto", "dot", "tile", "key")
+"""``coded_scores``' kernels: ``auto`` picks ``dot`` for 16-bit queries, else ``tile`` or ``key``."""
 
 TILE_MAX_ELEMENTS = 16 * 128
 """The tile kernel holds a program's levels ``[block_j, block_size, D]`` (padded to powers of two) in registers: up to
@@ -215,13 +271,17 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     ``num_candidates``: a Triton kernel (one pass over the candidates' codes and min/max rows, no decoded keys in
     memory), or with ``backend="ref"`` (and ``"auto"`` off CUDA) :func:`coded_scores_ref`. Arguments as there.
 
-    ``variant``: ``"tile"`` (all keys of ``block_j`` candidates as one tile; 8 candidates and 4 warps by default:
-    on the H100 at Qwen3-8B's heads and 16K, 451 us for 16 requests against the key-by-key kernel's 649 with the
-    codes stored head-major as ``KeyCodes`` stores them, ``docs/accuracy.md``, "Keys coded"), ``"key"`` (key by key,
-    16 candidates and 2 warps by default) or ``"auto"`` (tile up to :data:`TILE_MAX_ELEMENTS` levels a candidate).
-    ``block_j`` / ``num_warps``: the launch, swept by ``bench_kernels.py --only coded``."""
-    if variant not in ("auto", "tile", "key"):
-        raise ValueError(f"variant={variant!r}: auto, tile or key")
+    ``variant`` (:data:`VARIANTS`): ``"dot"`` (the keys of ``block_j`` candidates decoded in fp32, rounded to the
+    query's dtype and multiplied with the group's queries on the tensor cores, one product per level position of a
+    byte; 4 candidates and 4 warps by default; its scores are the reference's with ``key_dtype=q.dtype``),
+    ``"tile"`` (all keys of ``block_j`` candidates as one fp32 tile, one reduction over D per query head; 8
+    candidates, 4 warps), ``"key"`` (key by key, 16 candidates, 2 warps) or ``"auto"`` (``dot`` for bf16 / fp16
+    queries, else ``tile`` up to :data:`TILE_MAX_ELEMENTS` levels a candidate and ``key`` beyond). The fp32 kernels
+    hold too many registers to hide their loads (the tile kernel: 255 a thread, 12% occupancy on the H100); timings
+    in ``docs/accuracy.md``, "Keys coded". ``block_j`` / ``num_warps``: the launch, swept by ``bench_kernels.py
+    --only coded``."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: {', '.join(VARIANTS)}")
     if not use_triton(backend, q, _kernels):
         return coded_scores_ref(q, codes, sum_min, sum_max, block_table, summary_block_table, num_candidates,
                                 num_kv_heads, bits, max_candidates)
@@ -242,7 +302,8 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     nc = num_candidates.to(device=q.device, dtype=torch.int32)
     d_pad, bs = max(16, next_pow2(D)), codes.shape[1]
     if variant == "auto":
-        variant = "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key"
+        variant = ("dot" if q.dtype in (torch.bfloat16, torch.float16)
+                   else "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key")
     kernels = _kernels()  # (binds ``triton`` here)
     args = (q, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],
             q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
@@ -251,7 +312,15 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
             ctab.stride(0), stab.stride(0), out.stride(0), out.stride(1))
     shape = dict(HKV=hkv, G=Hq // hkv, D=D, D_PAD=d_pad, BS=bs, BITS=bits)
     with on_device(q):
-        if variant == "tile":
+        if variant == "dot":
+            per = 8 // bits
+            block_j = max(block_j or 4, 16 // next_pow2(bs))  # the product needs 16 rows
+            # the products need 16 bytes a key and 16 query rows (padded); the keys' fp32 arithmetic unfused, as
+            # the reference's, so both round the same fp32 keys to the query's dtype
+            kernels.dot[(B * hkv, triton.cdiv(J, block_j))](
+                *args, **{**shape, "D_PAD": max(16 * per, next_pow2(D))}, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
+                G_PAD=max(16, next_pow2(Hq // hkv)), num_warps=num_warps or 4, enable_fp_fusion=False)
+        elif variant == "tile":
             block_j = block_j or 8
             kernels.tile[(B * hkv, triton.cdiv(J, block_j))](*args, **shape, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
                                                               num_warps=num_warps or 4)
