@@ -304,7 +304,8 @@ class SparseConfig:
         "max_logit_b1 / _b2 / _b4 (each block's largest logit over its keys coded in 1 / 2 / 4 bits per dimension "
         "within the block's min/max, codes the engine keeps on the device beside the summaries: bits/16 of a bf16 "
         "key cache, taken from the device budget; every mode of the embedded engine, not with summary_parts, "
-        "accept_drafts, prefill-decode or prefix-cache hits; max_logit_b2 ranks like the exact attention mass on "
+        "accept_drafts, prefill-decode or prefix-cache hits; on a GPU with a bf16 / fp16 model each coded key is "
+        "rounded to that dtype for a tensor-core product; max_logit_b2 ranks like the exact attention mass on "
         "SmolLM2 at 1/8 of 2K-4K, docs/accuracy.md).",
         "quest, minmax_mass, attention, gauss, quest_rank, quest_half, quest_quarter, max_logit, max_logit_b1, "
         "max_logit_b2 or max_logit_b4",
@@ -336,8 +337,8 @@ class SparseConfig:
         0, "demand_fetch: at most this many of the step's own top-K misses fetched on demand per request, layer and KV "
         "head, the highest-ranked first (0: every miss); bounds the copy on the step's critical path. Not a default: "
         "2, with selection_score=max_logit_b2, attended_share, fill_window and early_fetch_ratio, reaches the exact "
-        "top-K at 1/8 and dense within a point at 1/4 on SmolLM2, but costs 3.4x / 4.9x the decode step at 16 / 64 "
-        "requests (H100, Qwen3-8B shapes; docs/accuracy.md).",
+        "top-K at 1/8 and dense within a point at 1/4 on SmolLM2, but costs 1.7x / 2.1x the decode step at 16 / 64 "
+        "requests (H100, Qwen3-8B shapes, the tensor-core coded kernel; docs/accuracy.md).",
         "an integer >= 0 (0: every miss)", lambda v: _int(v) and v >= 0)
     fill_query: str = _opt(
         "draft", "oasiskv: which query predicts the working set filled when a prefill completes: draft (the prefill "
