@@ -50,6 +50,22 @@ def test_unpack_inverts_pack_on_every_level():
         assert torch.equal(unpack_codes(packed, bits).float(), keys)
 
 
+def _engine_summaries(k_cache: torch.Tensor, table: torch.Tensor, bs: int):
+    """``(mins, maxs, summary_table)`` of ``scorer_inputs``' three requests in the engine's layout: logical block ``j``'s
+    min/max (from its keys, in their dtype) at row ``j % bs`` of summary block ``j // bs``, two summary blocks a
+    request."""
+    _, _, hkv, d = k_cache.shape
+    mins = torch.zeros(3 * 2, bs, hkv, d, dtype=k_cache.dtype)
+    maxs = torch.zeros_like(mins)
+    summary_table = torch.arange(3 * 2).view(3, 2)
+    for b in range(3):
+        for j in range(14):
+            blk = k_cache[int(table[b, j])]
+            mins[int(summary_table[b, j // bs]), j % bs] = blk.amin(0)
+            maxs[int(summary_table[b, j // bs]), j % bs] = blk.amax(0)
+    return mins, maxs, summary_table
+
+
 @pytest.mark.parametrize("device,backend", [pytest.param("cpu", "ref", id="ref")] + [
     pytest.param(p.values[0], "triton", id=p.id or p.values[0], marks=p.marks) for p in KERNEL_DEVICES])
 @pytest.mark.parametrize("variant", ["dot", "tile", "key"])
@@ -65,13 +81,7 @@ def test_scores_from_codes_and_summaries_equal_the_measured_study_setting(device
     hkv, d = 2, 24
     q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, d=d)
     nb = k_cache.shape[0]
-    mins, maxs = torch.zeros(3 * 2, bs, hkv, d), torch.zeros(3 * 2, bs, hkv, d)
-    summary_table = torch.arange(3 * 2).view(3, 2)
-    for b in range(3):
-        for j in range(14):
-            blk = k_cache[int(table[b, j])]
-            mins[int(summary_table[b, j // bs]), j % bs] = blk.amin(0)
-            maxs[int(summary_table[b, j // bs]), j % bs] = blk.amax(0)
+    mins, maxs, summary_table = _engine_summaries(k_cache, table, bs)
     codes = pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), bits)
     assert codes.shape[0] == nb
     to = lambda t: t.to(device)  # noqa: E731
@@ -98,14 +108,7 @@ def test_the_tensor_core_kernel_rounds_each_coded_key_to_the_query_dtype(device,
     hkv, g = 2, 3
     q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, g=g, d=d)
     q, k_cache = q.to(dtype), k_cache.to(dtype)
-    nb, pages = k_cache.shape[0], 2
-    mins, maxs = torch.zeros(3 * pages, bs, hkv, d, dtype=dtype), torch.zeros(3 * pages, bs, hkv, d, dtype=dtype)
-    summary_table = torch.arange(3 * pages).view(3, pages)
-    for b in range(3):
-        for j in range(14):
-            blk = k_cache[int(table[b, j])]
-            mins[int(summary_table[b, j // bs]), j % bs] = blk.amin(0)
-            maxs[int(summary_table[b, j // bs]), j % bs] = blk.amax(0)
+    mins, maxs, summary_table = _engine_summaries(k_cache, table, bs)
     codes = pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), bits)
     args = (q, codes, mins, maxs, table, summary_table, num_candidates, hkv, bits, 15)
     rounded = coded_scores_ref(*args, key_dtype=dtype)
