@@ -71,7 +71,8 @@ class KeyCodes:
         self.bits = bits
         # stored head-major (a code row's KV heads one after another, each head's keys contiguous) and read in the
         # cache's order [rows, block_size, Hkv, bytes]: a candidate's codes for one head are one run of
-        # block_size * D * bits / 8 bytes (the tile kernel reads them 1.4x faster so on the H100, docs/accuracy.md)
+        # block_size * D * bits / 8 bytes (the tensor-core and tile kernels read them 1.2x / 1.4x faster so on the H100,
+        # docs/accuracy.md)
         self.codes = [pair.view(torch.uint8).view(-1, hkv, bs, d * bits // 8).permute(0, 2, 1, 3) for pair in kv_pairs]
 
     @staticmethod
