@@ -756,6 +756,16 @@ def bench_coded(res, quick):
         seq = torch.arange(NB, device="cuda").view(B, J)
         m, _ = time_ms(lambda: kc.coded_scores(q, codes_hm, smin, smax, seq, stab, nc, Hkv, bits, max_candidates=J))
         row["default_hm_rows_in_order_ms"] = m
+        # a decode step's query and its draft's in one launch (demand_fetch: Predictor.coded_pair), against two
+        q2 = torch.stack([q, torch.randn_like(q)], dim=1)
+        nc2 = torch.stack([nc, nc])
+        pair = lambda: kc.coded_scores(q2, codes_hm, smin, smax, ctab, stab, nc2, Hkv, bits, max_candidates=J)  # noqa: E731
+        got = pair()
+        row["pair_hm_max_abs_diff_to_single"] = max(
+            (got[i] - kc.coded_scores(q2[:, i], codes_hm, smin, smax, ctab, stab, nc, Hkv, bits,
+                                      max_candidates=J)).abs().max().item() for i in range(2))
+        row["pair_hm_ms"], _ = time_ms(pair)
+        print(f"coded B={B} pair: {row['pair_hm_ms']:.4f} ms", flush=True)
         row["bytes_read"] = bytes_
         out[f"B{B}"] = row
         del codes, codes_hm, smin, smax, ref, ref_rounded

@@ -68,10 +68,10 @@ def _record_caps(monkeypatch):
     seen = []
     real = LookaheadPipeline.prefetch
 
-    def prefetch(self, layer, batch, pred_q, cap, row_cap=None):
+    def prefetch(self, layer, batch, pred_q, cap, row_cap=None, **kw):
         if layer == 0:
             seen.append((list(batch.seq_ids), cap, None if row_cap is None else row_cap.tolist()))
-        real(self, layer, batch, pred_q, cap, row_cap)
+        real(self, layer, batch, pred_q, cap, row_cap, **kw)
 
     monkeypatch.setattr(LookaheadPipeline, "prefetch", prefetch)
     return seen

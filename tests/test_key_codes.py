@@ -129,6 +129,38 @@ def test_the_tensor_core_kernel_rounds_each_coded_key_to_the_query_dtype(device,
         assert not torch.equal(rounded[fin], exact[fin])  # the rounding is there
 
 
+@pytest.mark.parametrize("device,backend", [pytest.param("cpu", "ref", id="ref")] + [
+    pytest.param(p.values[0], "triton", id=p.id or p.values[0], marks=p.marks) for p in KERNEL_DEVICES])
+@pytest.mark.parametrize("variant", ["dot", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,bits,d,g", [(16, 2, 24, 3), (12, 2, 40, 5), (8, 4, 24, 8)])
+def test_query_sets_score_as_their_own_calls(device, backend, variant, dtype, bs, bits, d, g):
+    """A step's queries and its draft's over the same blocks, each with its own candidate count (the draft's one
+    more, or fewer): ``[S, B, Hkv, J]`` equal to one call a set, bit for bit (the tensor-core kernel reads the codes
+    once and gives each set its own product columns: 3, 5 and 8 query heads a KV head, 2 sets in 16 columns or 32),
+    ``-inf`` past each set's own count. Fresh random inputs, odd sizes, head-major codes."""
+    if device == "cpu" and backend == "triton" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bf16 tiles as their raw bits")
+    hkv = 2
+    q, k_cache, table, num_candidates = scorer_inputs(bs, torch.seed() % (2**31), hkv=hkv, g=g, d=d)
+    q, k_cache = torch.stack([q, torch.randn_like(q) * 2], dim=1).to(dtype), k_cache.to(dtype)     # [B, 2, Hq, D]
+    mins, maxs, summary_table = _engine_summaries(k_cache, table, bs)
+    codes = head_major(pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), bits))
+    counts = torch.stack([num_candidates, num_candidates + torch.tensor([1, 0, -2], dtype=torch.int32)])
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    args = [to(a) for a in (codes, mins, maxs, table, summary_table)]
+    got = coded_scores(to(q), *args, to(counts), hkv, bits, 13, backend=backend, variant=variant).cpu()
+    assert got.shape == (2, 3, hkv, 13)
+    for s in range(2):
+        one = coded_scores(to(q[:, s]), *args, to(counts[s]), hkv, bits, 13, backend=backend, variant=variant).cpu()
+        assert torch.equal(got[s], one)
+        for b in range(3):
+            assert bool(torch.isfinite(got[s, b, :, :int(counts[s, b])]).all())
+            assert bool((got[s, b, :, int(counts[s, b]):] == float("-inf")).all())
+    with pytest.raises(ValueError, match=r"2 query sets of 3 requests need num_candidates \[S, B\], got \(3,\)"):
+        coded_scores(q, codes, mins, maxs, table, summary_table, num_candidates, hkv, bits, 13, backend=backend)
+
+
 def test_formats_that_are_not_whole_bytes_are_refused():
     keys = torch.randn(2, 4, 1, 20)
     with pytest.raises(ValueError, match="bits=3 must be one of 1, 2, 4, 8"):
@@ -252,6 +284,31 @@ def test_the_tight_budget_setting_composes(tiny):
     assert per_step[1] < per_step[2]
 
 
+def test_a_demand_fetch_scores_the_step_and_the_prefetch_from_one_read_of_the_codes(tiny, monkeypatch):
+    """With ``demand_fetch`` a prefetching mode ranks the step's own query and predicts the next step in the same
+    layer: both are scored from one read of the codes (``Predictor.coded_pair``, one ``_coded`` call a layer
+    instead of two) and give the tokens and copies of scoring them apart, at a tight budget where the rankings
+    decide what is fetched."""
+    from oasiskv_runtime.core.predictor import Predictor
+
+    kw = dict(block_size=4, max_num_batched_tokens=16, draft="ngram", kv_cache_gb=KV_GB, top_k_blocks=3,
+              demand_fetch_cap=2, **TIGHT)
+    calls, real, pair = [], Predictor._coded, Predictor.coded_pair
+    monkeypatch.setattr(Predictor, "_coded", lambda self, *a: calls.append(a[1].dim()) or real(self, *a))
+    for mode in ("oasiskv", "proxy-prefetch"):
+        runs = {}
+        for paired in (True, False):
+            monkeypatch.setattr(Predictor, "coded_pair", pair if paired else lambda *a: None)
+            calls.clear()
+            llm = LLM(tiny, mode=mode, **kw)
+            tokens, st = _tokens(llm), llm.engine.run_stats()
+            runs[paired] = tokens, st["demand_fetched_blocks_per_step"], st["fetched_blocks_per_step"]
+            assert set(calls) == {4 if paired else 3}  # [B, 2, Hq, D]: the pair; [B, Hq, D]: a query a call
+            runs["calls", paired] = len(calls)
+        assert runs[True] == runs[False] and runs[True][1] > 0
+        assert runs["calls", True] * 2 == runs["calls", False]
+
+
 def test_refusals_and_a_running_engine_keeps_its_codes(tiny):
     with pytest.raises(ValueError, match="selection_score='max_logit_b2' does not run with prefix_cache"):
         EngineConfig.from_overrides("qwen3-8b", mode="oasiskv", selection_score="max_logit_b2", prefix_cache=True)
@@ -295,3 +352,26 @@ def test_key_codes_on_cuda_with_captured_graphs(tiny, mode):
     checked = check_sink_plus_top_k(
         eager, lambda q, keys, b: brute_force_coded(q, keys.cpu(), b.primary_table.cpu(), b.num_candidates.cpu(), 2), 3)
     assert got == _tokens(eager, PROMPTS, greedy) and checked[0] > 100
+
+
+@pytest.mark.gpu
+def test_the_tight_budget_setting_on_cuda_in_bf16_with_captured_graphs(tiny, monkeypatch):
+    """issue #34's setting on CUDA in bf16 (the tensor-core kernel scoring the step's and the draft's queries in one
+    launch, the prefetch on its background streams): graphs replay the eager steps' tokens, and scoring the two
+    queries apart gives the same tokens and copies."""
+    from oasiskv_runtime.core.predictor import Predictor
+
+    kw = dict(mode="oasiskv", device="cuda", dtype="bfloat16", top_k_blocks=3, block_size=4,
+              max_num_batched_tokens=32, draft="ngram", kv_cache_gb=KV_GB, demand_fetch_cap=2, **TIGHT)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(**extra):
+        llm = LLM(tiny, **kw, **extra)
+        tokens, st = _tokens(llm, PROMPTS, greedy), llm.engine.run_stats()
+        return tokens, st["demand_fetched_blocks_per_step"], st.get("graph_replays", 0)
+
+    graphed = run(cuda_graphs="auto")
+    eager = run(cuda_graphs="off")
+    monkeypatch.setattr(Predictor, "coded_pair", lambda *a: None)
+    apart = run(cuda_graphs="off")
+    assert graphed[2] > 0 and graphed[:2] == eager[:2] == apart[:2] and eager[1] > 0

@@ -84,13 +84,20 @@ class LookaheadPipeline:
         self.transfer.mark(layer, stream)
 
     def prefetch(self, layer: int, batch: DecodeBatch, pred_q: torch.Tensor, cap: int,
-                 row_cap: torch.Tensor | None = None) -> None:
+                 row_cap: torch.Tensor | None = None, scores: torch.Tensor | None = None) -> None:
         """After layer ``layer``'s attention: predict the next step's top-K from ``pred_q`` ``[B, Hq, D]``, select
         (at most ``cap`` admissions per request and head, or ``row_cap``'s ``[B]``, each at most ``cap``) and
-        copy."""
+        copy. ``scores``: ``pred_q``'s block scores over the next step's candidates, when the step made them already
+        (``Predictor.coded_pair``): ranked, not scored again."""
         keep = self.map.attended_ids(layer, batch.state_rows)  # None unless attended_blocks
+
+        def predict(int32: bool = False) -> torch.Tensor:
+            if scores is None:
+                return self.predictor.predict(layer, pred_q, batch, next_step=True, int32=int32, keep=keep)
+            return self.predictor.rank(scores, batch.next_candidates, int32=int32, keep=keep)
+
         if not self.background:
-            pred = self.predictor.predict(layer, pred_q, batch, next_step=True, keep=keep)
+            pred = predict()
             self._remember(layer, batch, pred)
             self.fetch(layer, batch, pred, cap, row_cap=row_cap)
             return
@@ -99,12 +106,12 @@ class LookaheadPipeline:
         # be handed to the producing stream's next allocation (the next layer's) while the consumer still reads it.
         s_pred, s_sel, s_xfer = self.streams
         s_pred.wait_event(torch.cuda.current_stream(s_pred.device).record_event())
-        pred_q.record_stream(s_pred)
-        if keep is not None:
-            keep.record_stream(s_pred)
+        for t in (pred_q, keep, scores):
+            if t is not None:
+                t.record_stream(s_pred)
         int32 = self.kernels.select_kernel and not self.debug.measure_recall  # the fused kernel reads int32 ids
         with torch.cuda.stream(s_pred):
-            pred = self.predictor.predict(layer, pred_q, batch, next_step=True, int32=int32, keep=keep)
+            pred = predict(int32)
             self._remember(layer, batch, pred)
         s_sel.wait_stream(s_pred)
         pred.record_stream(s_sel)

@@ -94,6 +94,21 @@ class Predictor:
                                   max_candidates, backend=self.backend)
         return self.rank(scores, num_candidates, int32=int32, keep=keep)
 
+    def coded_pair(self, layer: int, query: torch.Tensor, next_query: torch.Tensor,
+                   batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The coded-key scores of this step's candidates for ``query`` and of the next step's for ``next_query``
+        (both ``[B, Hq, D]``) from one read of the codes, or None unless the selection score reads codes. What
+        ``predict(layer, query, batch, False)`` and ``predict(layer, next_query, batch, True)`` score, ranked by
+        :meth:`rank` with their own candidate counts (``batch.num_candidates`` / ``next_candidates``): for a step
+        that ranks its own query and predicts the next one in the same layer (``demand_fetch``), the codes, its
+        largest read, are read once instead of twice."""
+        if self.selection_score not in CODED_KEY_SCORES:
+            return None
+        counts = torch.stack([batch.num_candidates.to(batch.next_candidates.dtype), batch.next_candidates])
+        both = self._coded(layer, torch.stack([query, next_query], dim=1), batch, counts,
+                           max(batch.max_candidates, batch.max_next_candidates))
+        return both[0, :, :, :batch.max_candidates], both[1, :, :, :batch.max_next_candidates]
+
     def _coded(self, layer: int, query: torch.Tensor, batch: DecodeBatch, num_candidates: torch.Tensor,
                max_candidates: int | None) -> torch.Tensor:
         """Each candidate block's largest logit over its coded keys, from the stored codes and the min/max rows."""

@@ -45,8 +45,10 @@ def check_code_bits(bits: int, head_dim: int) -> None:
 
 
 def level_step(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
-    """The spacing of the ``2**bits`` levels from ``lo`` to ``hi``: a coded key is ``lo + level * step``."""
-    return (hi - lo) / float(2 ** bits - 1)
+    """The spacing of the ``2**bits`` levels from ``lo`` to ``hi``: a coded key is ``lo + level * step``. A product
+    with the reciprocal (in the tensors' dtype, fp32 for the kernels), which a kernel computes as the reference does
+    in one instruction (an IEEE division is a dozen on a GPU)."""
+    return (hi - lo) * (1.0 / (2 ** bits - 1))
 
 
 def code_levels(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,13 +125,16 @@ def _kernels():
 
     @triton.jit
     def _candidates(CTAB, STAB, NCAND, n_cols, n_pages, n_code_cols, s_cb, s_sb, HKV: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_J: tl.constexpr):
-        # A program's (request, KV head) and its BLOCK_J candidates: each one's code row and summary row (page, row).
+                    BLOCK_J: tl.constexpr, S: tl.constexpr = 1, s_ns=0):
+        # A program's (request, KV head) and its BLOCK_J candidates: each one's code row and summary row (page, row);
+        # with S query sets, the candidates of any of them (set s counts NCAND[s * s_ns + b]).
         pid = tl.program_id(0)
         b = pid // HKV
         h = pid % HKV
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         nc = tl.load(NCAND + b)
+        for s in tl.static_range(1, S):
+            nc = tl.maximum(nc, tl.load(NCAND + s * s_ns + b))
         ok = (j < nc) & (j < n_cols) & (j < n_code_cols)
         b64 = b.to(tl.int64)
         pg = j // BS
@@ -148,7 +153,7 @@ def _kernels():
                      other=0.0).to(tl.float32)
         hi = tl.load(SMAX + (page * s_xb + row * s_xt + h * s_xh)[:, None] + d[None, :], mask=m2,
                      other=0.0).to(tl.float32)
-        return lo, (hi - lo) / (2 ** BITS - 1), m2
+        return lo, (hi - lo) * (1.0 / (2 ** BITS - 1)), m2
 
     # the kernels resolve their helpers in the module's globals (as ``tl``)
     globals().update(_candidates=_candidates, _levels_range=_levels_range)
@@ -212,44 +217,56 @@ def _kernels():
     @triton.jit
     def _coded_dot_kernel(
         Q, CODES, SMIN, SMAX, CTAB, STAB, NCAND, OUT, n_cols, n_pages, n_code_cols,
-        s_qb, s_qh, s_cr, s_ct, s_ch, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, s_cb, s_sb, s_ob, s_oh,
+        s_qb, s_qh, s_cr, s_ct, s_ch, s_mb, s_mt, s_mh, s_xb, s_xt, s_xh, s_cb, s_sb, s_ob, s_oh, s_qs, s_ns, s_os,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-        BS_PAD: tl.constexpr, BITS: tl.constexpr, BLOCK_J: tl.constexpr, G_PAD: tl.constexpr,
+        BS_PAD: tl.constexpr, BITS: tl.constexpr, BLOCK_J: tl.constexpr, G_PAD: tl.constexpr, S: tl.constexpr,
+        GP: tl.constexpr,
     ):
         # One program per (request, KV head, BLOCK_J candidates): the candidates' keys decoded in the query's dtype
         # and multiplied with the group's queries on the tensor cores. The product over D is taken as PER products,
         # one per level position p of a byte: product p pairs dimension c * PER + p of every byte c with the same
-        # query dimensions, so each code byte is loaded once ([BLOCK_J, BS_PAD, D_PAD / PER]).
+        # query dimensions, so each code byte is loaded once ([BLOCK_J, BS_PAD, D_PAD / PER]). With S query sets (a
+        # step's queries and its draft's) the product's columns hold all of them, set s at columns s * GP + i: the
+        # codes are read once for every set.
         b64, h, j, ok, page, crow, row = _candidates(CTAB, STAB, NCAND, n_cols, n_pages, n_code_cols, s_cb, s_sb,
-                                                     HKV, BS, BLOCK_J)
+                                                     HKV, BS, BLOCK_J, S, s_ns)
         PER: tl.constexpr = 8 // BITS
         c = tl.arange(0, D_PAD // PER)
         t = tl.arange(0, BS_PAD)
         g = tl.arange(0, G_PAD)
+        gi = g % GP
+        gq = (g // GP < S) & (gi < G)                          # a real query row: set g // GP, head h * G + gi
         mc = ok[:, None] & (c * PER < D)[None, :]
         byte = tl.load(CODES + (crow * s_cr + h * s_ch)[:, None, None] + (t * s_ct)[None, :, None] + c[None, None, :],
                        mask=mc[:, None, :] & (t < BS)[None, :, None], other=0).to(tl.int32)
         mrow = page * s_mb + row * s_mt + h * s_mh
         xrow = page * s_xb + row * s_xt + h * s_xh
-        qrow = Q + b64 * s_qb + (h * G + g) * s_qh
+        qrow = Q + b64 * s_qb + (g // GP) * s_qs + (h * G + gi) * s_qh
         acc = tl.zeros((BLOCK_J * BS_PAD, G_PAD), dtype=tl.float32)
         for p in tl.static_range(PER):
             dim = c * PER + p
             lo = tl.load(SMIN + mrow[:, None] + dim[None, :], mask=mc, other=0.0).to(tl.float32)
             hi = tl.load(SMAX + xrow[:, None] + dim[None, :], mask=mc, other=0.0).to(tl.float32)
-            step = tl.math.div_rn(hi - lo, 2.0 ** BITS - 1)  # IEEE division, as the reference's
-            level = ((byte >> (p * BITS)) & (2 ** BITS - 1)).to(tl.float32)
+            step = (hi - lo) * (1.0 / (2 ** BITS - 1))  # as level_step
+            # the level as fp32 without a conversion instruction (a quarter-rate one): 2^23 + level's bits are the
+            # fp32 2^23 + level, less 2^23 exactly
+            level = tl.cast(((byte >> (p * BITS)) & (2 ** BITS - 1)) | 0x4B000000, tl.float32, bitcast=True) - 8388608.0
             key = (lo[:, None, :] + level * step[:, None, :]).to(Q.dtype.element_ty)   # [BLOCK_J, BS_PAD, D_PAD/PER]
-            qp = tl.load(qrow[None, :] + dim[:, None], mask=(g < G)[None, :] & (dim < D)[:, None], other=0.0)
+            qp = tl.load(qrow[None, :] + dim[:, None], mask=gq[None, :] & (dim < D)[:, None], other=0.0)
             key = tl.reshape(key, (BLOCK_J * BS_PAD, D_PAD // PER))
             if Q.dtype.element_ty == tl.float32:
                 acc = tl.dot(key, qp, acc, input_precision="ieee")
             else:
                 acc = tl.dot(key, qp, acc)
         logit = tl.reshape(acc, (BLOCK_J, BS_PAD, G_PAD))
-        logit = tl.where((t < BS)[None, :, None] & (g < G)[None, None, :], logit, float("-inf"))
-        best = tl.where(ok, tl.max(tl.max(logit, 2), 1), float("-inf"))
-        tl.store(OUT + b64 * s_ob + h * s_oh + j, best, mask=j < n_cols)
+        logit = tl.where((t < BS)[None, :, None] & gq[None, None, :], logit, float("-inf"))
+        best = tl.max(tl.reshape(tl.max(logit, 1), (BLOCK_J, G_PAD // GP, GP)), 2)       # [BLOCK_J, sets (padded)]
+        col = tl.arange(0, G_PAD // GP)
+        for s in tl.static_range(S):
+            nc = tl.load(NCAND + s * s_ns + b64)
+            bs_ = tl.max(tl.where(col[None, :] == s, best, float("-inf")), 1)
+            bs_ = tl.where(ok & (j < nc), bs_, float("-inf"))
+            tl.store(OUT + s * s_os + b64 * s_ob + h * s_oh + j, bs_, mask=j < n_cols)
 
     from types import SimpleNamespace
     return SimpleNamespace(score=_coded_score_kernel, tile=_coded_tile_kernel, dot=_coded_dot_kernel)
@@ -271,6 +288,11 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     ``num_candidates``: a Triton kernel (one pass over the candidates' codes and min/max rows, no decoded keys in
     memory), or with ``backend="ref"`` (and ``"auto"`` off CUDA) :func:`coded_scores_ref`. Arguments as there.
 
+    Several query sets over the same blocks (a decode step's queries and its draft's, whose candidates may count one
+    block more): ``q`` ``[B, S, Hq, D]`` and ``num_candidates`` ``[S, B]`` give ``[S, B, Hkv, J]``, each set's
+    scores as its own call would give them; the ``dot`` kernel reads the codes once for all sets (its product's
+    16 columns hold ``S`` groups of up to 8 query heads), the others run once a set.
+
     ``variant`` (:data:`VARIANTS`): ``"dot"`` (the keys of ``block_j`` candidates decoded in fp32, rounded to the
     query's dtype and multiplied with the group's queries on the tensor cores, one product per level position of a
     byte; 4 candidates and 4 warps by default; its scores are the reference's with ``key_dtype=q.dtype``),
@@ -282,10 +304,23 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     --only coded``."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: {', '.join(VARIANTS)}")
-    if not use_triton(backend, q, _kernels):
+    if q.dim() == 4:
+        if tuple(num_candidates.shape) != (q.shape[1], q.shape[0]):
+            raise ValueError(f"{q.shape[1]} query sets of {q.shape[0]} requests need num_candidates [S, B], "
+                             f"got {tuple(num_candidates.shape)}")
+        max_candidates = _num_cols(num_candidates, max_candidates)
+    triton_ok = use_triton(backend, q, _kernels)
+    dtype16 = q.dtype in (torch.bfloat16, torch.float16)
+    if q.dim() == 4 and not (triton_ok and variant in ("auto", "dot") and (dtype16 or variant == "dot")):
+        return torch.stack([coded_scores(q[:, s], codes, sum_min, sum_max, block_table, summary_block_table,
+                                         num_candidates[s], num_kv_heads, bits, max_candidates, block_j,
+                                         num_warps=num_warps, variant=variant, backend=backend)
+                            for s in range(q.shape[1])])
+    if not triton_ok:
         return coded_scores_ref(q, codes, sum_min, sum_max, block_table, summary_block_table, num_candidates,
                                 num_kv_heads, bits, max_candidates)
-    B, Hq, D = q.shape
+    sets = q.unsqueeze(1) if q.dim() == 3 else q                                                # [B, S, Hq, D]
+    B, S, Hq, D = sets.shape
     hkv = int(num_kv_heads)
     if Hq % hkv:
         raise ValueError(f"Hq={Hq} not a multiple of Hkv={hkv}")
@@ -293,33 +328,33 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     if codes.stride(-1) != 1 or sum_min.stride(-1) != 1 or sum_max.stride(-1) != 1:
         raise ValueError("codes and summaries need a unit stride on their last dimension")
     J = _num_cols(num_candidates, max_candidates)
-    out = torch.empty((B, hkv, J), dtype=torch.float32, device=q.device)
+    out = torch.empty((S, B, hkv, J), dtype=torch.float32, device=q.device)
     if J == 0 or B == 0:
-        return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
+        return out if q.dim() == 4 else out[0]
+    sets = sets if sets.stride(-1) == 1 else sets.contiguous()
     stab = summary_block_table if summary_block_table.stride(-1) == 1 else summary_block_table.contiguous()
     ctab = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    nc = num_candidates.to(device=q.device, dtype=torch.int32)
-    d_pad, bs = max(16, next_pow2(D)), codes.shape[1]
+    nc = num_candidates.to(device=q.device, dtype=torch.int32).reshape(S, B).contiguous()
+    d_pad, bs, g = max(16, next_pow2(D)), codes.shape[1], Hq // hkv
     if variant == "auto":
-        variant = ("dot" if q.dtype in (torch.bfloat16, torch.float16)
-                   else "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key")
+        variant = "dot" if dtype16 else "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key"
     kernels = _kernels()  # (binds ``triton`` here)
-    args = (q, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],
-            q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
+    args = (sets, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],
+            sets.stride(0), sets.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
             sum_min.stride(0), sum_min.stride(1), sum_min.stride(2),
             sum_max.stride(0), sum_max.stride(1), sum_max.stride(2),
-            ctab.stride(0), stab.stride(0), out.stride(0), out.stride(1))
-    shape = dict(HKV=hkv, G=Hq // hkv, D=D, D_PAD=d_pad, BS=bs, BITS=bits)
+            ctab.stride(0), stab.stride(0), out.stride(1), out.stride(2))
+    shape = dict(HKV=hkv, G=g, D=D, D_PAD=d_pad, BS=bs, BITS=bits)
     with on_device(q):
         if variant == "dot":
-            per = 8 // bits
+            per, gp = 8 // bits, next_pow2(g)
             block_j = max(block_j or 4, 16 // next_pow2(bs))  # the product needs 16 rows
             # the products need 16 bytes a key and 16 query rows (padded); the keys' fp32 arithmetic unfused, as
             # the reference's, so both round the same fp32 keys to the query's dtype
             kernels.dot[(B * hkv, triton.cdiv(J, block_j))](
-                *args, **{**shape, "D_PAD": max(16 * per, next_pow2(D))}, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
-                G_PAD=max(16, next_pow2(Hq // hkv)), num_warps=num_warps or 4, enable_fp_fusion=False)
+                *args, sets.stride(1), nc.stride(0), out.stride(0),
+                **{**shape, "D_PAD": max(16 * per, next_pow2(D))}, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
+                G_PAD=max(16, next_pow2(S) * gp), S=S, GP=gp, num_warps=num_warps or 4, enable_fp_fusion=False)
         elif variant == "tile":
             block_j = block_j or 8
             kernels.tile[(B * hkv, triton.cdiv(J, block_j))](*args, **shape, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
@@ -328,4 +363,4 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
             block_j = block_j or (16 if d_pad >= 128 else 32)
             kernels.score[(B * hkv, triton.cdiv(J, block_j))](*args, **shape, BLOCK_J=block_j,
                                                                num_warps=num_warps or 2)
-    return out
+    return out if q.dim() == 4 else out[0]

@@ -247,11 +247,12 @@ class OasisKVAttention:
                 scores = self._end_of_prefill(layer, s, q, ks, not dense_layer, step.fill is not None)
                 if scores is not None:
                     fill_mass[s.seq_id] = scores
+        next_scores = None
         if b is not None and not dense_layer:
-            self._sparse_decode(layer, b, q, k, v, out)
+            next_scores = self._sparse_decode(layer, b, q, k, v, out)
         if b is not None and self.mode.prefetches:
             self.pipeline.prefetch(layer, b, q[b.pred_rows()], *self.head_map.prefetch_caps(
-                b, self.step_cap, self.sparse.early_cap, self.sparse.early_steps))
+                b, self.step_cap, self.sparse.early_cap, self.sparse.early_steps), scores=next_scores)
         if step.fill is not None:
             self.io.wait(self.io.write_event)  # the chunk's rows must be in the pool before the first fill reads them
             self.pipeline.fill(layer, step.fill, q[step.fill.q_rows],
@@ -277,12 +278,16 @@ class OasisKVAttention:
                               self.dev_cache.block_size, self.sparse.fill_window if fills else 0, seed=seed)
 
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor) -> torch.Tensor | None:
+        """The decode rows' sparse attention; returns the next step's block scores when it made them here (a
+        ``demand_fetch`` over key codes scores the step's query and the prefetch's from one read of the codes),
+        for this layer's prefetch to rank."""
         # The normal and draft queries of each request, stacked, in one index op: [B, 2, Hq, D].
         qd_rows = b.qd_rows()
         qs = q[qd_rows].view(b.q_rows.numel(), 2, *q.shape[1:])
         q_norm = qs[:, 0]
         keep = self.head_map.attended_ids(layer, b.state_rows)  # None unless attended_blocks
+        next_scores = None
         if self.mode is Mode.SPARSE_RESIDENT:
             logical = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
             block_ids = resident_block_ids(logical, b.primary_table)
@@ -294,7 +299,12 @@ class OasisKVAttention:
                 cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
                 self.pipeline.fetch(layer, b, pred, cap)
             elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
-                pred = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
+                pair = self.predictor.coded_pair(layer, q_norm, q[b.pred_rows()], b) if self.mode.prefetches else None
+                if pair is None:
+                    pred = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
+                else:
+                    step_scores, next_scores = pair
+                    pred = self.predictor.rank(step_scores, b.num_candidates, keep=keep)
                 self.pipeline.fetch(layer, b, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
                                     demand=True)
             block_ids = self.head_map.block_ids(layer, b)
@@ -316,11 +326,12 @@ class OasisKVAttention:
                                      logical if self.mode is Mode.SPARSE_RESIDENT else None)
         if b.separate_draft_rows:  # every request has its own draft row: both outputs in one index op
             out[qd_rows] = res.flatten(0, 1)
-            return
+            return next_scores
         out[b.q_rows] = res[:, 0]
         # Requests without a draft have draft_rows == q_rows: write their normal output again rather than
         # boolean-index (which would synchronise with the host).
         out[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0])
+        return next_scores
 
     def commit_drafts(self, index: torch.Tensor, slots: torch.Tensor, local_rows: torch.Tensor | None,
                       writes: SummaryWrites) -> None:
