@@ -700,8 +700,9 @@ def bench_coded(res, quick):
     beside Quest's score over the same summaries and a plain gather of the code rows (the memory's ceiling)."""
     Hq, Hkv, D, BS, J, bits, k = 32, 8, 128, 16, 1024, 2, 128
     dt = torch.bfloat16
-    # launches (variant, block_j, num_warps) beside the default (for bf16 queries: dot, 4, 4)
-    configs = [{}] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (("key", 16, 2), ("tile", 8, 4)) + (
+    # launches (variant, block_j, num_warps) beside the default (for bf16 queries: dot, 4, 2)
+    configs = [{}] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (("key", 16, 2), ("tile", 8, 4),
+                                                                                 ("dot", 4, 4)) + (
         () if quick else (("dot", 2, 4), ("dot", 4, 2), ("dot", 8, 4), ("dot", 8, 8), ("dot", 16, 8),
                           ("key", 16, 4), ("tile", 8, 2), ("tile", 4, 4)))]
     out = {"shape": dict(Hq=Hq, Hkv=Hkv, D=D, block_size=BS, blocks=J, bits=bits)}

@@ -295,7 +295,7 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
 
     ``variant`` (:data:`VARIANTS`): ``"dot"`` (the keys of ``block_j`` candidates decoded in fp32, rounded to the
     query's dtype and multiplied with the group's queries on the tensor cores, one product per level position of a
-    byte; 4 candidates and 4 warps by default; its scores are the reference's with ``key_dtype=q.dtype``),
+    byte; 4 candidates and 2 warps by default; its scores are the reference's with ``key_dtype=q.dtype``),
     ``"tile"`` (all keys of ``block_j`` candidates as one fp32 tile, one reduction over D per query head; 8
     candidates, 4 warps), ``"key"`` (key by key, 16 candidates, 2 warps) or ``"auto"`` (``dot`` for bf16 / fp16
     queries, else ``tile`` up to :data:`TILE_MAX_ELEMENTS` levels a candidate and ``key`` beyond). The fp32 kernels
@@ -354,7 +354,7 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
             kernels.dot[(B * hkv, triton.cdiv(J, block_j))](
                 *args, sets.stride(1), nc.stride(0), out.stride(0),
                 **{**shape, "D_PAD": max(16 * per, next_pow2(D))}, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
-                G_PAD=max(16, next_pow2(S) * gp), S=S, GP=gp, num_warps=num_warps or 4, enable_fp_fusion=False)
+                G_PAD=max(16, next_pow2(S) * gp), S=S, GP=gp, num_warps=num_warps or 2, enable_fp_fusion=False)
         elif variant == "tile":
             block_j = block_j or 8
             kernels.tile[(B * hkv, triton.cdiv(J, block_j))](*args, **shape, BS_PAD=next_pow2(bs), BLOCK_J=block_j,
