@@ -299,7 +299,9 @@ class OasisKVAttention:
                 cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
                 self.pipeline.fetch(layer, b, pred, cap)
             elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
-                pair = self.predictor.coded_pair(layer, q_norm, q[b.pred_rows()], b) if self.mode.prefetches else None
+                pair = None  # the codes read once for the step's and the prefetch's scores (Predictor.coded_pair)
+                if self.mode.prefetches and self.predictor.selection_score in CODED_KEY_SCORES:
+                    pair = self.predictor.coded_pair(layer, q_norm, q[b.pred_rows()], b)
                 if pair is None:
                     pred = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
                 else:
