@@ -304,14 +304,17 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     --only coded``."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: {', '.join(VARIANTS)}")
+    d_pad, bs = max(16, next_pow2(q.shape[-1])), codes.shape[1]
+    if variant == "auto":
+        variant = ("dot" if q.dtype in (torch.bfloat16, torch.float16)
+                   else "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key")
     if q.dim() == 4:
         if tuple(num_candidates.shape) != (q.shape[1], q.shape[0]):
             raise ValueError(f"{q.shape[1]} query sets of {q.shape[0]} requests need num_candidates [S, B], "
                              f"got {tuple(num_candidates.shape)}")
         max_candidates = _num_cols(num_candidates, max_candidates)
     triton_ok = use_triton(backend, q, _kernels)
-    dtype16 = q.dtype in (torch.bfloat16, torch.float16)
-    if q.dim() == 4 and not (triton_ok and variant in ("auto", "dot") and (dtype16 or variant == "dot")):
+    if q.dim() == 4 and not (triton_ok and variant == "dot"):
         return torch.stack([coded_scores(q[:, s], codes, sum_min, sum_max, block_table, summary_block_table,
                                          num_candidates[s], num_kv_heads, bits, max_candidates, block_j,
                                          num_warps=num_warps, variant=variant, backend=backend)
@@ -335,9 +338,7 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     stab = summary_block_table if summary_block_table.stride(-1) == 1 else summary_block_table.contiguous()
     ctab = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     nc = num_candidates.to(device=q.device, dtype=torch.int32).reshape(S, B).contiguous()
-    d_pad, bs, g = max(16, next_pow2(D)), codes.shape[1], Hq // hkv
-    if variant == "auto":
-        variant = "dot" if dtype16 else "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key"
+    g = Hq // hkv
     kernels = _kernels()  # (binds ``triton`` here)
     args = (sets, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],
             sets.stride(0), sets.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),

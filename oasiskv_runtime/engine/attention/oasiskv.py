@@ -247,11 +247,13 @@ class OasisKVAttention:
                 scores = self._end_of_prefill(layer, s, q, ks, not dense_layer, step.fill is not None)
                 if scores is not None:
                     fill_mass[s.seq_id] = scores
+        # the queries that predict the next step's blocks (prefetching modes), read before the attention too
+        pred_q = q[b.pred_rows()] if b is not None and self.mode.prefetches else None
         next_scores = None
         if b is not None and not dense_layer:
-            next_scores = self._sparse_decode(layer, b, q, k, v, out)
-        if b is not None and self.mode.prefetches:
-            self.pipeline.prefetch(layer, b, q[b.pred_rows()], *self.head_map.prefetch_caps(
+            next_scores = self._sparse_decode(layer, b, q, k, v, out, pred_q)
+        if pred_q is not None:
+            self.pipeline.prefetch(layer, b, pred_q, *self.head_map.prefetch_caps(
                 b, self.step_cap, self.sparse.early_cap, self.sparse.early_steps), scores=next_scores)
         if step.fill is not None:
             self.io.wait(self.io.write_event)  # the chunk's rows must be in the pool before the first fill reads them
@@ -278,10 +280,10 @@ class OasisKVAttention:
                               self.dev_cache.block_size, self.sparse.fill_window if fills else 0, seed=seed)
 
     def _sparse_decode(self, layer: int, b: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor) -> torch.Tensor | None:
+                       out: torch.Tensor, pred_q: torch.Tensor | None) -> torch.Tensor | None:
         """The decode rows' sparse attention; returns the next step's block scores when it made them here (a
-        ``demand_fetch`` over key codes scores the step's query and the prefetch's from one read of the codes),
-        for this layer's prefetch to rank."""
+        ``demand_fetch`` over key codes scores the step's query and the prefetch's, ``pred_q``, from one read of the
+        codes), for this layer's prefetch to rank."""
         # The normal and draft queries of each request, stacked, in one index op: [B, 2, Hq, D].
         qd_rows = b.qd_rows()
         qs = q[qd_rows].view(b.q_rows.numel(), 2, *q.shape[1:])
@@ -299,9 +301,8 @@ class OasisKVAttention:
                 cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
                 self.pipeline.fetch(layer, b, pred, cap)
             elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
-                pair = None  # the codes read once for the step's and the prefetch's scores (Predictor.coded_pair)
-                if self.mode.prefetches and self.predictor.selection_score in CODED_KEY_SCORES:
-                    pair = self.predictor.coded_pair(layer, q_norm, q[b.pred_rows()], b)
+                # the codes read once for the step's and the prefetch's scores (None: the selection reads no codes)
+                pair = None if pred_q is None else self.predictor.coded_pair(layer, q_norm, pred_q, b)
                 if pair is None:
                     pred = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
                 else:
