@@ -14,7 +14,8 @@ from oasiskv_runtime.config import EngineConfig, Mode
 from oasiskv_runtime.core.summaries import KeyCodes
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.engine.sequence import Sequence
-from oasiskv_runtime.ops.key_codes import coded_scores, coded_scores_ref, head_major, pack_codes, unpack_codes
+from oasiskv_runtime.ops.key_codes import (coded_scores, coded_scores_ref, head_major, pack_codes, pack_codes_into,
+                                           unpack_codes)
 from oasiskv_runtime.ops.split_quest import coded_max_logit_scores
 from tests.kernel_devices import KERNEL_DEVICES
 from tests.selection_checks import scorer_inputs
@@ -40,6 +41,33 @@ def test_pack_keeps_the_nearest_level_in_bits_per_dimension(bits):
     chosen = dist.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
     assert bool((chosen <= dist.amin(-1) + 1e-5).all())      # no level is nearer than the one kept
     assert torch.equal(unpack_codes(pack_codes(keys, lo, hi, bits), bits), unpack_codes(packed, bits))
+
+
+@pytest.mark.parametrize("device", [pytest.param(p.values[0], id=p.id or p.values[0], marks=p.marks)
+                                    for p in KERNEL_DEVICES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_the_code_write_kernel_writes_pack_codes_bytes_into_the_rows(device, dtype, bits):
+    """``pack_codes_into`` (what ``KeyCodes.write`` runs every decode step and layer): the Triton kernel writes the
+    bytes of ``pack_codes`` within each block's own min/max into the given rows of head-major code storage, and
+    leaves every other row alone. Fresh random inputs, odd sizes (block size 5 / 12 / 16, head dims 24-64, 1-3 KV
+    heads), a dimension with no spread and keys on exact midpoints between levels (ties go to even, as
+    ``torch.round``)."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    for bs, hkv, d in [(16, 3, 24), (12, 2, 40), (5, 1, 64)]:
+        if d * bits % 8:
+            continue
+        keys = torch.randn(5, bs, hkv, d, generator=gen) * torch.rand(5, 1, hkv, d, generator=gen) * 3
+        keys[0, :, 0, :3] = 0.75
+        keys[1, :, 0, 0] = torch.tensor([0.0, 1.0] + [0.5, 0.25, 0.75] * bs)[:bs]   # midpoints at 1 and 2 bits
+        keys = keys.to(dtype)
+        rows = torch.randperm(11, generator=gen)[:5]
+        store = torch.randint(0, 256, (11, hkv, bs, d * bits // 8), generator=gen, dtype=torch.uint8)
+        want = store.clone().permute(0, 2, 1, 3)
+        want[rows] = pack_codes(keys, keys.amin(1), keys.amax(1), bits)
+        got = store.to(device).permute(0, 2, 1, 3)
+        pack_codes_into(got, rows.to(device), keys.to(device), bits, backend="triton")
+        assert torch.equal(got.cpu(), want)
 
 
 def test_unpack_inverts_pack_on_every_level():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv_runtime.core.batch import SummaryWrites
-from oasiskv_runtime.ops.key_codes import check_code_bits, pack_codes
+from oasiskv_runtime.ops.key_codes import check_code_bits, pack_codes_into
 from oasiskv_runtime.ops.summary_update import update_summaries, update_summaries_runs
 
 
@@ -65,10 +65,10 @@ class KeyCodes:
     keys when a prefill chunk fills it, and at every decode step the active block's (partial until the step that
     fills it, whose write is the last; a selection ranks only full blocks)."""
 
-    def __init__(self, kv_pairs: list[torch.Tensor], bits: int) -> None:
+    def __init__(self, kv_pairs: list[torch.Tensor], bits: int, backend: str = "auto") -> None:
         _, _, bs, hkv, d = kv_pairs[0].shape
         check_code_bits(bits, d)
-        self.bits = bits
+        self.bits, self.backend = bits, backend
         # stored head-major (a code row's KV heads one after another, each head's keys contiguous) and read in the
         # cache's order [rows, block_size, Hkv, bytes]: a candidate's codes for one head are one run of
         # block_size * D * bits / 8 bytes (the tensor-core and tile kernels read them 1.2x / 1.4x faster so on the H100,
@@ -87,7 +87,5 @@ class KeyCodes:
     def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Code full (or active) blocks ``keys: [n, block_size, Hkv, D]`` within their own min/max into code rows
         ``rows: [n]`` of layer ``layer``. The min/max are the keys' own, equal to their blocks' summary rows (the same
-        values in the cache's dtype) once a block is full."""
-        if keys.shape[0]:
-            codes = pack_codes(keys, keys.amin(dim=1), keys.amax(dim=1), self.bits)
-            self.codes[layer].index_copy_(0, rows, codes)
+        values in the cache's dtype) once a block is full. One Triton launch on CUDA (``pack_codes_into``)."""
+        pack_codes_into(self.codes[layer], rows, keys, self.bits, backend=self.backend)

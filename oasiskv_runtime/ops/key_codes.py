@@ -30,7 +30,7 @@ from oasiskv_runtime.ops.common import lazy_kernels, next_pow2, on_device, use_t
 from oasiskv_runtime.ops.score_topk import _gather_summaries, _num_cols
 
 __all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "coded_scores_ref", "head_major",
-           "level_step", "pack_codes", "unpack_codes"]
+           "level_step", "pack_codes", "pack_codes_into", "unpack_codes"]
 
 CODE_BITS = (1, 2, 4, 8)
 """Bits per key dimension the format packs (a divisor of 8)."""
@@ -268,8 +268,62 @@ def _kernels():
             bs_ = tl.where(ok & (j < nc), bs_, float("-inf"))
             tl.store(OUT + s * s_os + b64 * s_ob + h * s_oh + j, bs_, mask=j < n_cols)
 
+    @triton.jit
+    def _pack_rows_kernel(K, ROWS, OUT, s_kn, s_kt, s_kh, s_or, s_ot, s_oh, HKV: tl.constexpr, BS: tl.constexpr,
+                          BS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr):
+        # One program per (block, KV head): the block's keys [BS, D] for the head, their min/max over the keys, each
+        # dimension's nearest level as pack_codes computes it (IEEE division, ties to even), 8 / BITS levels a byte
+        # (the lowest bits first), stored in code row ROWS[block].
+        i = tl.program_id(0) // HKV
+        h = tl.program_id(0) % HKV
+        t = tl.arange(0, BS_PAD)
+        d = tl.arange(0, D_PAD)
+        m = (t < BS)[:, None] & (d < D)[None, :]
+        k = tl.load(K + i.to(tl.int64) * s_kn + h * s_kh + t[:, None] * s_kt + d[None, :], mask=m, other=0.0)
+        k = k.to(tl.float32)
+        lo = tl.min(tl.where(m, k, float("inf")), 0)
+        hi = tl.max(tl.where(m, k, float("-inf")), 0)
+        step = (hi - lo) * (1.0 / (2 ** BITS - 1))                                     # as level_step
+        pos = tl.math.div_rn(k - lo[None, :], tl.maximum(step, 1.1754943508222875e-38)[None, :])
+        pos = tl.where((step > 0)[None, :], pos, 0.0)
+        r = (pos + 12582912.0) - 12582912.0  # to the nearest integer, ties to even (exact below 2^22: 1.5 * 2^23)
+        level = tl.minimum(tl.maximum(r, 0.0), 2 ** BITS - 1).to(tl.int32)
+        PER: tl.constexpr = 8 // BITS
+        sh = (tl.arange(0, PER) * BITS)[None, None, :]
+        byte = tl.sum(tl.reshape(level, (BS_PAD, D_PAD // PER, PER)) << sh, 2)           # [BS_PAD, D_PAD / PER]
+        c = tl.arange(0, D_PAD // PER)
+        row = tl.load(ROWS + i).to(tl.int64)
+        tl.store(OUT + row * s_or + h * s_oh + t[:, None] * s_ot + c[None, :], byte.to(tl.uint8),
+                 mask=(t < BS)[:, None] & (c * PER < D)[None, :])
+
     from types import SimpleNamespace
-    return SimpleNamespace(score=_coded_score_kernel, tile=_coded_tile_kernel, dot=_coded_dot_kernel)
+    return SimpleNamespace(score=_coded_score_kernel, tile=_coded_tile_kernel, dot=_coded_dot_kernel,
+                           pack=_pack_rows_kernel)
+
+
+def pack_codes_into(out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, bits: int, *,
+                    backend: str = "auto") -> None:
+    """``out[rows] = pack_codes(keys, keys.amin(1), keys.amax(1), bits)``: full (or active) blocks ``keys`` ``[n,
+    block_size, Hkv, D]`` coded within their own min/max into code rows ``rows`` ``[n]`` of ``out`` (``[R, block_size,
+    Hkv, D * bits / 8]`` uint8, any strides: ``KeyCodes`` stores them head-major). One Triton launch (a decode step
+    codes every request's active block in every layer: the PyTorch composition is ~20 small kernels), or with
+    ``backend="ref"`` (and ``"auto"`` off CUDA) that composition; the same bytes."""
+    if not keys.shape[0]:
+        return
+    if not use_triton(backend, keys, _kernels):
+        out.index_copy_(0, rows, pack_codes(keys, keys.amin(dim=1), keys.amax(dim=1), bits))
+        return
+    n, bs, hkv, D = keys.shape
+    check_code_bits(bits, D)
+    if out.stride(-1) != 1:
+        raise ValueError("code rows need a unit stride on their last dimension")
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    kernels = _kernels()
+    rows = rows.to(device=keys.device)
+    with on_device(keys):
+        kernels.pack[(n * hkv,)](keys, rows, out, keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
+                                 out.stride(1), out.stride(2), HKV=hkv, BS=bs, BS_PAD=next_pow2(bs), D=D,
+                                 D_PAD=max(next_pow2(D), 8 // bits), BITS=bits, num_warps=2)
 
 
 VARIANTS = ("auto", "dot", "tile", "key")
