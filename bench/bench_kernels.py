@@ -703,7 +703,8 @@ def bench_coded(res, quick):
     # launches (variant, block_j, num_warps) beside the default (for bf16 queries: dot, 4, 2)
     configs = [{}] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (("key", 16, 2), ("tile", 8, 4),
                                                                                  ("dot", 4, 4)) + (
-        () if quick else (("dot", 2, 4), ("dot", 4, 2), ("dot", 8, 4), ("dot", 8, 8), ("dot", 16, 8),
+        () if quick else (("dot", 2, 4), ("dot", 4, 2), ("dot", 8, 2), ("dot", 8, 4), ("dot", 8, 8), ("dot", 16, 4),
+                          ("dot", 16, 8),
                           ("key", 16, 4), ("tile", 8, 2), ("tile", 4, 4)))]
     out = {"shape": dict(Hq=Hq, Hkv=Hkv, D=D, block_size=BS, blocks=J, bits=bits)}
     for B in (16, 64):

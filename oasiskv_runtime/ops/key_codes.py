@@ -237,8 +237,13 @@ def _kernels():
         gi = g % GP
         gq = (g // GP < S) & (gi < G)                          # a real query row: set g // GP, head h * G + gi
         mc = ok[:, None] & (c * PER < D)[None, :]
+        # a key's code bytes masked by the candidate only where no byte is padding: a mask constant along them lets
+        # the load read a key's bytes 16 at a time (one load a byte otherwise)
+        mb = ok[:, None, None] & (t < BS)[None, :, None]
+        if D < D_PAD:
+            mb = mb & (c * PER < D)[None, None, :]
         byte = tl.load(CODES + (crow * s_cr + h * s_ch)[:, None, None] + (t * s_ct)[None, :, None] + c[None, None, :],
-                       mask=mc[:, None, :] & (t < BS)[None, :, None], other=0).to(tl.int32)
+                       mask=mb, other=0).to(tl.int32)
         mrow = page * s_mb + row * s_mt + h * s_mh
         xrow = page * s_xb + row * s_xt + h * s_xh
         qrow = Q + b64 * s_qb + (g // GP) * s_qs + (h * G + gi) * s_qh
