@@ -700,10 +700,11 @@ def bench_coded(res, quick):
     beside Quest's score over the same summaries and a plain gather of the code rows (the memory's ceiling)."""
     Hq, Hkv, D, BS, J, bits, k = 32, 8, 128, 16, 1024, 2, 128
     dt = torch.bfloat16
-    # launches (variant, block_j, num_warps) beside the default (for bf16 queries: dot, 4, 2)
-    configs = [{}] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (("key", 16, 2), ("tile", 8, 4),
-                                                                                 ("dot", 4, 4)) + (
-        () if quick else (("dot", 2, 4), ("dot", 4, 2), ("dot", 8, 2), ("dot", 8, 4), ("dot", 8, 8), ("dot", 16, 4),
+    # launches (variant, block_j, num_warps) beside the default (for bf16 queries at this shape: the CUDA C kernel,
+    # else Triton's dot, 4, 2)
+    configs = [{}, dict(variant="cuda")] + [dict(variant=v, block_j=bj, num_warps=w) for v, bj, w in (
+        ("key", 16, 2), ("tile", 8, 4), ("dot", 4, 2), ("dot", 4, 4)) + (
+        () if quick else (("dot", 2, 4), ("dot", 8, 2), ("dot", 8, 4), ("dot", 8, 8), ("dot", 16, 4),
                           ("dot", 16, 8),
                           ("key", 16, 4), ("tile", 8, 2), ("tile", 4, 4)))]
     out = {"shape": dict(Hq=Hq, Hkv=Hkv, D=D, block_size=BS, blocks=J, bits=bits)}
@@ -734,7 +735,8 @@ def bench_coded(res, quick):
         # the same codes stored head-major ([rows, Hkv, block_size, bytes] in memory, viewed in the cache's order)
         codes_hm = kc.head_major(codes)
         for cfg, lay in [(c, "") for c in configs] + [(c, "_hm") for c in configs]:
-            name = ("default" if not cfg else f"{cfg['variant']}_bj{cfg['block_j']}_w{cfg['num_warps']}") + lay
+            name = ("default" if not cfg else cfg["variant"] if len(cfg) == 1
+                    else f"{cfg['variant']}_bj{cfg['block_j']}_w{cfg['num_warps']}") + lay
             def run(cfg=cfg, cc=codes_hm if lay else codes):
                 return kc.coded_scores(q, cc, smin, smax, ctab, stab, nc, Hkv, bits, max_candidates=J, **cfg)
             try:
@@ -767,7 +769,9 @@ def bench_coded(res, quick):
             (got[i] - kc.coded_scores(q2[:, i], codes_hm, smin, smax, ctab, stab, nc, Hkv, bits,
                                       max_candidates=J)).abs().max().item() for i in range(2))
         row["pair_hm_ms"], _ = time_ms(pair)
-        print(f"coded B={B} pair: {row['pair_hm_ms']:.4f} ms", flush=True)
+        row["pair_hm_dot_ms"], _ = time_ms(lambda: kc.coded_scores(q2, codes_hm, smin, smax, ctab, stab, nc2, Hkv,
+                                                                  bits, max_candidates=J, variant="dot"))
+        print(f"coded B={B} pair: {row['pair_hm_ms']:.4f} ms (dot {row['pair_hm_dot_ms']:.4f})", flush=True)
         row["bytes_read"] = bytes_
         out[f"B{B}"] = row
         del codes, codes_hm, smin, smax, ref, ref_rounded

@@ -14,8 +14,8 @@ from oasiskv_runtime.config import EngineConfig, Mode
 from oasiskv_runtime.core.summaries import KeyCodes
 from oasiskv_runtime.engine.kv_cache_manager import KVCacheManager, cdiv
 from oasiskv_runtime.engine.sequence import Sequence
-from oasiskv_runtime.ops.key_codes import (coded_scores, coded_scores_ref, head_major, pack_codes, pack_codes_into,
-                                           unpack_codes)
+from oasiskv_runtime.ops.key_codes import (coded_scores, coded_scores_ref, cuda_misfit, head_major, pack_codes,
+                                           pack_codes_into, unpack_codes)
 from oasiskv_runtime.ops.split_quest import coded_max_logit_scores
 from tests.kernel_devices import KERNEL_DEVICES
 from tests.selection_checks import scorer_inputs
@@ -201,9 +201,124 @@ def test_an_unknown_kernel_variant_is_refused_on_every_backend():
     q, k_cache, table, num_candidates = scorer_inputs(16, 0, hkv=2, d=24)
     codes = pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), 2)
     for backend in ("ref", "auto"):
-        with pytest.raises(ValueError, match="variant='words': auto, dot, tile, key"):
+        with pytest.raises(ValueError, match="variant='words': auto, cuda, dot, tile, key"):
             coded_scores(q, codes, k_cache, k_cache, table, table, num_candidates, 2, 2, 11, backend=backend,
                          variant="words")
+
+
+def _product_inputs(gen, dtype, d, g, sets, hkv=2, counts=(197, 0, 64, 1, 130), nb=300, width=210,
+                    table_dtype=torch.int64):
+    """The product's shape at a realistic size: 2-bit codes of blocks of 16 keys (head-major, as ``KeyCodes`` keeps
+    them), ``sets`` query sets ``[B, S, Hq, D]`` and their counts ``[S, B]`` (the second set one block more, or
+    fewer), each request's own random table of ``width`` blocks over an ``nb``-block cache, its min/max summaries
+    in the engine's layout (logical block ``j`` at row ``j % 16`` of summary page ``j // 16``, pages shuffled)."""
+    bs, B = 16, len(counts)
+    k_cache = (torch.randn(nb, 1, hkv, d, generator=gen)
+               + torch.rand(nb, 1, hkv, d, generator=gen) * 3 * torch.randn(nb, bs, hkv, d, generator=gen)).to(dtype)
+    table = torch.stack([torch.randperm(nb, generator=gen)[:width] for _ in counts]).to(table_dtype)
+    pages = -(-width // bs)
+    summary_table = torch.randperm(B * pages, generator=gen).view(B, pages).to(table_dtype)
+    mins = torch.zeros(B * pages, bs, hkv, d, dtype=dtype)
+    maxs = torch.zeros_like(mins)
+    for b in range(B):
+        blocks = k_cache[table[b].long()]                                                    # [width, bs, hkv, d]
+        for j in range(width):
+            mins[int(summary_table[b, j // bs]), j % bs] = blocks[j].amin(0)
+            maxs[int(summary_table[b, j // bs]), j % bs] = blocks[j].amax(0)
+    codes = head_major(pack_codes(k_cache, k_cache.amin(1), k_cache.amax(1), 2))
+    q = (torch.randn(B, sets, hkv * g, d, generator=gen) * 2).to(dtype)
+    first = torch.tensor(counts, dtype=torch.int32)
+    nc = torch.stack([first, (first + torch.tensor([1, 0, -3, 1, 0][:B], dtype=torch.int32)).clamp(0, width)])
+    return q, codes, mins, maxs, table, summary_table, nc[:sets]
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernel_scores_as_the_rounded_reference():
+    """``csrc/coded_scores.cu`` (variant ``cuda``, what ``auto`` picks for the product's shape) equals the reference
+    that rounds each coded key to the query's dtype (``key_dtype``) to fp32 rounding, and the Triton ``dot`` kernel
+    likewise, ``-inf`` exactly where they are: bf16 and fp16, head dims 64 and 128, 1-8 query heads a KV head in one
+    set or two (a step's and its draft's), int32 and int64 tables, a bound under and over the candidates, 5 requests
+    (one without candidates) of up to 197 candidates over a 300-block cache, fresh random inputs each run."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    cases = [(dt, d, g, sets, tdt, bound)
+             for dt in (torch.bfloat16, torch.float16) for d in (64, 128)
+             for g, sets in ((4, 2), (3, 2), (1, 1), (8, 1), (5, 1), (2, 2))
+             for tdt, bound in ((torch.int64, None), (torch.int32, 150))]
+    assert len(cases) == 48
+    for dt, d, g, sets, tdt, bound in cases:
+        q, codes, mins, maxs, table, stab, nc = _product_inputs(gen, dt, d, g, sets, table_dtype=tdt)
+        hkv = 2
+        dev = [t.cuda() for t in (q, codes, mins, maxs, table, stab, nc)]
+        assert cuda_misfit(dev[0], dev[1], dev[2], dev[3], hkv, 2) is None
+        got = coded_scores(*dev[:6], dev[6], hkv, 2, bound, variant="cuda").cpu()
+        auto = coded_scores(*dev[:6], dev[6], hkv, 2, bound).cpu()
+        dot = coded_scores(*dev[:6], dev[6], hkv, 2, bound, variant="dot").cpu()
+        J = bound or int(nc.max())
+        assert got.shape == (sets, 5, hkv, J)
+        assert torch.equal(auto, got)
+        for s in range(sets):
+            want = coded_scores_ref(q[:, s], codes, mins, maxs, table, stab, nc[s], hkv, 2, J, key_dtype=dt)
+            fin = torch.isfinite(want)
+            assert torch.equal(fin, torch.isfinite(got[s])), (dt, d, g, sets)
+            torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(got[s], dot[s], rtol=1e-5, atol=1e-4)
+            for b in range(5):
+                assert int(fin[b, 0].sum()) == min(int(nc[s, b]), J)
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernel_replays_in_a_captured_graph_and_refuses_what_does_not_fit():
+    """The engine captures the score in a CUDA graph: a replay over new queries, codes and counts (copied into the
+    captured tensors) gives the uncaptured call's scores. ``variant="cuda"`` asked for a shape it does not take is an
+    error that names the reason; ``auto`` runs Triton's ``dot`` there."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    hkv = 2
+    first = [t.cuda() for t in _product_inputs(gen, torch.bfloat16, 128, 4, 2)]
+    second = [t.cuda() for t in _product_inputs(gen, torch.bfloat16, 128, 4, 2)]
+    bufs = [t.clone() for t in first]
+    coded_scores(*bufs[:6], bufs[6], hkv, 2, 200, variant="cuda")  # built and loaded before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = coded_scores(*bufs[:6], bufs[6], hkv, 2, 200, variant="cuda")
+    for inputs in (second, first):
+        for buf, t in zip(bufs, inputs):
+            buf.copy_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, coded_scores(*inputs[:6], inputs[6], hkv, 2, 200, variant="cuda"))
+    q, codes, mins, maxs, table, stab, nc = _product_inputs(gen, torch.bfloat16, 96, 4, 1)
+    dev = [t.cuda() for t in (q, codes, mins, maxs, table, stab, nc)]
+    with pytest.raises(ValueError, match="variant='cuda' needs head dim 64 or 128 \\(got 96\\)"):
+        coded_scores(*dev[:6], dev[6], hkv, 2, None, variant="cuda")
+    torch.testing.assert_close(coded_scores(*dev[:6], dev[6], hkv, 2, None),
+                               coded_scores(*dev[:6], dev[6], hkv, 2, None, variant="dot"), rtol=0, atol=0)
+
+
+def test_the_cuda_kernel_names_the_shapes_it_does_not_take():
+    """``cuda_misfit`` says why ``csrc/coded_scores.cu`` cannot score an input (``auto`` then runs a Triton kernel):
+    each condition of the product's shape alone, in the order checked; a fitting shape on the CPU needs CUDA. Off
+    CUDA ``variant="cuda"`` runs the reference, as every variant does."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    q, codes, mins, maxs, table, stab, nc = _product_inputs(gen, torch.bfloat16, 64, 4, 2, counts=(30, 5), nb=40,
+                                                            width=33)
+    hkv = 2
+    assert cuda_misfit(q, codes, mins, maxs, hkv, 2) == "needs CUDA tensors"
+    assert cuda_misfit(q[:, 0], codes, mins, maxs, hkv, 2) == "needs CUDA tensors"
+    assert "bf16 / fp16 queries and summaries of the same dtype" in cuda_misfit(q.float(), codes, mins, maxs, hkv, 2)
+    assert "of the same dtype" in cuda_misfit(q, codes, mins.half(), maxs, hkv, 2)
+    assert cuda_misfit(q, codes, mins, maxs, hkv, 4) == "needs 2-bit codes (bits=4)"
+    assert cuda_misfit(q, codes[:, :8], mins, maxs, hkv, 2) == "needs blocks of 16 keys (block size 8)"
+    assert cuda_misfit(q[..., :32], codes, mins, maxs, hkv, 2) == "needs head dim 64 or 128 (got 32)"
+    assert "up to 8 query columns a KV head (2 sets of 8" in cuda_misfit(q.repeat(1, 1, 2, 1), codes, mins, maxs,
+                                                                        hkv, 2)
+    assert "(3 sets of 4" in cuda_misfit(torch.cat([q, q[:, :1]], 1), codes, mins, maxs, hkv, 2)
+    assert cuda_misfit(q, codes[..., 2:14], mins, maxs, hkv, 2) == "needs code rows aligned to 4 bytes"
+    odd = torch.zeros(mins.numel() + 1, dtype=mins.dtype)[1:].view(mins.shape)  # a row start off 4 bytes
+    assert cuda_misfit(q, codes, odd, maxs, hkv, 2) == "needs summary and query rows aligned to 2 elements"
+    args = (codes, mins, maxs, table, stab, nc, hkv, 2, 33)
+    want = torch.stack([coded_scores_ref(q[:, s], *args[:5], nc[s], hkv, 2, 33) for s in range(2)])
+    assert torch.equal(coded_scores(q, *args, variant="cuda"), want)
 
 
 # ---- the engine that keeps them ------------------------------------------------------------------------------------

@@ -1,12 +1,23 @@
-"""Helpers every op module shares: launch-size rounding, the lazy Triton check, sync-free small uploads."""
+"""Helpers every op module shares: launch-size rounding, the lazy Triton check, sync-free small uploads, the nvcc
+build of a ``csrc/`` kernel."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
-from typing import Callable
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+"""The CUDA C sources (``csrc/<name>.cu``), beside the package in a source checkout."""
 
 
 def next_pow2(x: int) -> int:
@@ -70,3 +81,43 @@ def host_list_to(data: list, dtype: torch.dtype, device: torch.device | str) -> 
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def find_nvcc() -> Optional[str]:
+    """``nvcc`` from ``CUDA_HOME`` / ``CUDA_PATH`` / ``/usr/local/cuda``, else the ``PATH``; None without one."""
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "bin" / "nvcc").exists():
+            return str(Path(cand) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+_BUILT: dict = {}
+_BUILD_LOCK = threading.Lock()
+
+
+def build_csrc(name: str, arch: str = "sm_90") -> ctypes.CDLL:
+    """``csrc/<name>.cu`` compiled by plain nvcc (no torch headers: seconds) into a shared library for ``arch``,
+    cached by source hash under ``$OASISKV_BUILD_DIR`` (default ``~/.cache/oasiskv_runtime``), loaded with ctypes
+    (once a process). Raises RuntimeError without nvcc or when it fails, with its message."""
+    with _BUILD_LOCK:
+        if (name, arch) in _BUILT:
+            return _BUILT[name, arch]
+        src_path = CSRC / f"{name}.cu"
+        if not src_path.exists():
+            raise RuntimeError(f"{src_path} not found (the CUDA C kernels ship in a source checkout)")
+        tag = hashlib.sha256(src_path.read_bytes()).hexdigest()[:16]
+        cache = Path(os.environ.get("OASISKV_BUILD_DIR", Path.home() / ".cache" / "oasiskv_runtime"))
+        cache.mkdir(parents=True, exist_ok=True)
+        lib = cache / f"lib{name}_{arch}_{tag}.so"
+        if not lib.exists():
+            nvcc = find_nvcc()
+            if nvcc is None:
+                raise RuntimeError(f"csrc/{name}.cu: nvcc not found (set CUDA_HOME)")
+            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [nvcc, "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", str(src_path), "-o", str(tmp)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
+            os.replace(tmp, lib)
+        _BUILT[name, arch] = ctypes.CDLL(str(lib))
+        return _BUILT[name, arch]

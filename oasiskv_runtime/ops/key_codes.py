@@ -21,16 +21,18 @@ host when ``max_candidates`` is given (a CUDA graph captures it).
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from typing import Optional
 
 import torch
 
 from oasiskv_runtime.ops.attention_mass import candidate_blocks
-from oasiskv_runtime.ops.common import lazy_kernels, next_pow2, on_device, use_triton
+from oasiskv_runtime.ops.common import build_csrc, lazy_kernels, next_pow2, on_device, use_triton
 from oasiskv_runtime.ops.score_topk import _gather_summaries, _num_cols
 
-__all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "coded_scores_ref", "head_major",
-           "level_step", "pack_codes", "pack_codes_into", "unpack_codes"]
+__all__ = ["CODE_BITS", "check_code_bits", "code_levels", "coded_scores", "coded_scores_ref", "cuda_available",
+           "cuda_misfit", "head_major", "level_step", "pack_codes", "pack_codes_into", "unpack_codes"]
 
 CODE_BITS = (1, 2, 4, 8)
 """Bits per key dimension the format packs (a divisor of 8)."""
@@ -331,12 +333,98 @@ def pack_codes_into(out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, b
                                  D_PAD=max(next_pow2(D), 8 // bits), BITS=bits, num_warps=2)
 
 
-VARIANTS = ("auto", "dot", "tile", "key")
-"""``coded_scores``' kernels: ``auto`` picks ``dot`` for 16-bit queries, else ``tile`` or ``key``."""
+VARIANTS = ("auto", "cuda", "dot", "tile", "key")
+"""``coded_scores``' kernels: ``auto`` picks ``cuda`` where it fits (:func:`cuda_misfit`), else ``dot`` for 16-bit
+queries, else ``tile`` or ``key``."""
 
 TILE_MAX_ELEMENTS = 16 * 128
 """The tile kernel holds a program's levels ``[block_j, block_size, D]`` (padded to powers of two) in registers: up to
 this many a candidate (block size 16 at head dim 128, where it was measured), the key-by-key kernel beyond."""
+
+
+def cuda_misfit(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
+                num_kv_heads: int, bits: int) -> Optional[str]:
+    """Why ``csrc/coded_scores.cu`` (variant ``"cuda"``) cannot score these inputs, or None where it can: the
+    product's shape only (2 bits, blocks of 16 keys, head dim 64 or 128, bf16 / fp16 queries and summaries, up to 8
+    query columns a KV head: 2 sets of 4 query heads or 1 of 8, padded to powers of two), on a CUDA device of compute
+    capability 8.0 or more, rows aligned for its vector loads. ``q``: ``[B, Hq, D]`` or ``[B, S, Hq, D]``."""
+    sets = q.unsqueeze(1) if q.dim() == 3 else q
+    _, S, Hq, D = sets.shape
+    hkv = int(num_kv_heads)
+    if q.dtype not in (torch.bfloat16, torch.float16) or sum_min.dtype != q.dtype or sum_max.dtype != q.dtype:
+        return f"needs bf16 / fp16 queries and summaries of the same dtype (got {q.dtype}, {sum_min.dtype})"
+    if bits != 2 or codes.dtype != torch.uint8:
+        return f"needs 2-bit codes (bits={bits})"
+    if codes.shape[1] != 16:
+        return f"needs blocks of 16 keys (block size {codes.shape[1]})"
+    if D not in (64, 128):
+        return f"needs head dim 64 or 128 (got {D})"
+    if Hq % hkv or S > 2 or S * next_pow2(Hq // hkv) > 8:
+        return f"needs up to 8 query columns a KV head ({S} sets of {Hq // max(hkv, 1)} query heads)"
+    code_unit, row_unit = D // 16, D // 32  # bytes a thread reads of a key; summary elements a lane reads
+    if codes.data_ptr() % code_unit or any(st % code_unit for st in codes.stride()[:3]) or codes.stride(3) != 1:
+        return f"needs code rows aligned to {code_unit} bytes"
+    for t, unit in ((sum_min, row_unit), (sum_max, row_unit), (sets, 4)):
+        if t.data_ptr() % (2 * unit) or any(st % unit for st in t.stride()[:3]) or t.stride(3) != 1:
+            return f"needs summary and query rows aligned to {unit} elements"
+    if not q.is_cuda:
+        return "needs CUDA tensors"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "needs compute capability 8.0 (bf16 / fp16 tensor-core products)"
+    return None
+
+
+_CUDA_LIB: list = []
+_CUDA_LOCK = threading.Lock()
+
+
+def _cuda_lib(device: torch.device) -> ctypes.CDLL:
+    """``csrc/coded_scores.cu`` built for ``device``'s architecture (once a process), its entry typed."""
+    major, minor = torch.cuda.get_device_capability(device)
+    with _CUDA_LOCK:
+        lib = build_csrc("coded_scores", f"sm_{major}{minor}")
+        f = lib.oasis_coded_scores
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_uint64] * 8 + [ctypes.c_void_p, ctypes.c_void_p,
+                                                                             ctypes.c_uint64]
+        return lib
+
+
+def cuda_available(device: torch.device) -> bool:
+    """Whether the CUDA C kernel builds (nvcc) and loads here: ``auto`` falls back to Triton's ``dot`` otherwise."""
+    if not _CUDA_LIB:
+        try:
+            _cuda_lib(device)
+            _CUDA_LIB.append(True)
+        except RuntimeError:
+            _CUDA_LIB.append(False)
+    return _CUDA_LIB[0]
+
+
+def _coded_scores_cuda(sets: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
+                       ctab: torch.Tensor, stab: torch.Tensor, nc: torch.Tensor, out: torch.Tensor, hkv: int) -> None:
+    """``out`` ``[S, B, Hkv, J]`` from ``csrc/coded_scores.cu`` (one launch on the current stream; a CUDA graph
+    captures it). Inputs as :func:`coded_scores` has prepared them for the Triton kernels."""
+    B, S, Hq, D = sets.shape
+    g = Hq // hkv
+    for t in (ctab, stab):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"block tables must be int32 or int64, got {t.dtype}")
+    strides = (ctypes.c_int64 * 18)(
+        sets.stride(0), sets.stride(1), sets.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
+        sum_min.stride(0), sum_min.stride(1), sum_min.stride(2), sum_max.stride(0), sum_max.stride(1),
+        sum_max.stride(2), ctab.stride(0), stab.stride(0), nc.stride(0), out.stride(0), out.stride(1), out.stride(2))
+    shape = (ctypes.c_int * 10)(B, hkv, g, next_pow2(g), S, out.shape[3], stab.shape[1], ctab.shape[1],
+                                int(ctab.dtype == torch.int64), int(stab.dtype == torch.int64))
+    with on_device(sets):
+        lib = _cuda_lib(sets.device)
+        stream = torch.cuda.current_stream(sets.device).cuda_stream
+        rc = lib.oasis_coded_scores(0 if sets.dtype == torch.bfloat16 else 1, D, sets.data_ptr(), codes.data_ptr(),
+                                    sum_min.data_ptr(), sum_max.data_ptr(), ctab.data_ptr(), stab.data_ptr(),
+                                    nc.data_ptr(), out.data_ptr(), ctypes.cast(strides, ctypes.c_void_p),
+                                    ctypes.cast(shape, ctypes.c_void_p), stream)
+    if rc != 0:
+        raise RuntimeError(f"oasis_coded_scores failed with cudaError {rc}")
 
 
 def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
@@ -349,15 +437,19 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
 
     Several query sets over the same blocks (a decode step's queries and its draft's, whose candidates may count one
     block more): ``q`` ``[B, S, Hq, D]`` and ``num_candidates`` ``[S, B]`` give ``[S, B, Hkv, J]``, each set's
-    scores as its own call would give them; the ``dot`` kernel reads the codes once for all sets (its product's
-    16 columns hold ``S`` groups of up to 8 query heads), the others run once a set.
+    scores as its own call would give them; the ``cuda`` and ``dot`` kernels read the codes once for all sets (the
+    product's 8 / 16 columns hold ``S`` groups of query heads), the others run once a set.
 
-    ``variant`` (:data:`VARIANTS`): ``"dot"`` (the keys of ``block_j`` candidates decoded in fp32, rounded to the
-    query's dtype and multiplied with the group's queries on the tensor cores, one product per level position of a
-    byte; 4 candidates and 2 warps by default; its scores are the reference's with ``key_dtype=q.dtype``),
+    ``variant`` (:data:`VARIANTS`): ``"cuda"`` (``csrc/coded_scores.cu``, the product's shape only, see
+    :func:`cuda_misfit`: the same rounded keys and tensor-core products as ``dot`` at about half its instructions, a
+    warp a candidate; built by nvcc on first use), ``"dot"`` (the keys of ``block_j`` candidates decoded in fp32,
+    rounded to the query's dtype and multiplied with the group's queries on the tensor cores, one product per level
+    position of a byte; 4 candidates and 2 warps by default; its scores are the reference's with
+    ``key_dtype=q.dtype``),
     ``"tile"`` (all keys of ``block_j`` candidates as one fp32 tile, one reduction over D per query head; 8
     candidates, 4 warps), ``"key"`` (key by key, 16 candidates, 2 warps) or ``"auto"`` (``dot`` for bf16 / fp16
-    queries, else ``tile`` up to :data:`TILE_MAX_ELEMENTS` levels a candidate and ``key`` beyond). The fp32 kernels
+    queries, else ``tile`` up to :data:`TILE_MAX_ELEMENTS` levels a candidate and ``key`` beyond; ``cuda`` first where
+    it fits, nvcc builds it and ``backend`` is ``"auto"``). The fp32 kernels
     hold too many registers to hide their loads (the tile kernel: 255 a thread, 12% occupancy on the H100); timings
     in ``docs/accuracy.md``, "Keys coded". ``block_j`` / ``num_warps``: the launch, swept by ``bench_kernels.py
     --only coded``."""
@@ -365,15 +457,21 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
         raise ValueError(f"variant={variant!r}: {', '.join(VARIANTS)}")
     d_pad, bs = max(16, next_pow2(q.shape[-1])), codes.shape[1]
     if variant == "auto":
-        variant = ("dot" if q.dtype in (torch.bfloat16, torch.float16)
+        variant = ("cuda" if backend == "auto" and cuda_misfit(q, codes, sum_min, sum_max, num_kv_heads, bits) is None
+                   and cuda_available(q.device)
+                   else "dot" if q.dtype in (torch.bfloat16, torch.float16)
                    else "tile" if next_pow2(bs) * d_pad <= TILE_MAX_ELEMENTS else "key")
+    elif variant == "cuda" and backend != "ref" and (backend != "auto" or q.is_cuda):
+        why = cuda_misfit(q, codes, sum_min, sum_max, num_kv_heads, bits)
+        if why:
+            raise ValueError(f"variant='cuda' {why}; variant='dot' scores any shape")
     if q.dim() == 4:
         if tuple(num_candidates.shape) != (q.shape[1], q.shape[0]):
             raise ValueError(f"{q.shape[1]} query sets of {q.shape[0]} requests need num_candidates [S, B], "
                              f"got {tuple(num_candidates.shape)}")
         max_candidates = _num_cols(num_candidates, max_candidates)
-    triton_ok = use_triton(backend, q, _kernels)
-    if q.dim() == 4 and not (triton_ok and variant == "dot"):
+    triton_ok = (backend != "ref" and q.is_cuda if variant == "cuda" else use_triton(backend, q, _kernels))
+    if q.dim() == 4 and not (triton_ok and variant in ("dot", "cuda")):
         return torch.stack([coded_scores(q[:, s], codes, sum_min, sum_max, block_table, summary_block_table,
                                          num_candidates[s], num_kv_heads, bits, max_candidates, block_j,
                                          num_warps=num_warps, variant=variant, backend=backend)
@@ -397,6 +495,9 @@ def coded_scores(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, su
     stab = summary_block_table if summary_block_table.stride(-1) == 1 else summary_block_table.contiguous()
     ctab = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     nc = num_candidates.to(device=q.device, dtype=torch.int32).reshape(S, B).contiguous()
+    if variant == "cuda":
+        _coded_scores_cuda(sets, codes, sum_min, sum_max, ctab, stab, nc, out, hkv)
+        return out if q.dim() == 4 else out[0]
     g = Hq // hkv
     kernels = _kernels()  # (binds ``triton`` here)
     args = (sets, codes, sum_min, sum_max, ctab, stab, nc, out, J, stab.shape[1], ctab.shape[1],

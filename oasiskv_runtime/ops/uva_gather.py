@@ -42,18 +42,13 @@ references take one part at a time over ``-1``-masked id lists (no host sync to 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 import threading
-from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
 from oasiskv_runtime.config import GATHER_COPIES, GATHER_CTAS, GATHER_HINTS
-from oasiskv_runtime.ops.common import lazy_kernels, loads, next_pow2, on_device
+from oasiskv_runtime.ops.common import build_csrc, lazy_kernels, loads, next_pow2, on_device
 
 __all__ = ["PoolTier", "uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva_gather_blocks_ref",
            "uva_scatter_rows", "uva_scatter_rows_ref", "build_cuda_extension"]
@@ -62,7 +57,6 @@ triton = None
 tl = None
 _CUDA_LIB = None
 _LOCK = threading.Lock()
-_CSRC = Path(__file__).resolve().parents[2] / "csrc" / "uva_gather.cu"
 
 
 _next_pow2 = next_pow2
@@ -282,39 +276,13 @@ def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, c
 # --------------------------------------------------------------------------------------
 # CUDA C path (nvcc + ctypes)
 # --------------------------------------------------------------------------------------
-def _find_nvcc() -> Optional[str]:
-    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if cand and (Path(cand) / "bin" / "nvcc").exists():
-            return str(Path(cand) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def build_cuda_extension(verbose: bool = False) -> ctypes.CDLL:
-    """Compile ``csrc/uva_gather.cu`` (cached by source hash) and load it with ctypes."""
+def build_cuda_extension() -> ctypes.CDLL:
+    """``csrc/uva_gather.cu`` built and loaded (:func:`~oasiskv_runtime.ops.common.build_csrc`), its entry typed."""
     global _CUDA_LIB
     with _LOCK:
         if _CUDA_LIB is not None:
             return _CUDA_LIB
-        src = _CSRC.read_bytes()
-        tag = hashlib.sha256(src).hexdigest()[:16]
-        cache = Path(os.environ.get("OASISKV_BUILD_DIR",
-                                    Path.home() / ".cache" / "oasiskv_runtime"))
-        cache.mkdir(parents=True, exist_ok=True)
-        lib = cache / f"libuva_gather_{tag}.so"
-        if not lib.exists():
-            nvcc = _find_nvcc()
-            if nvcc is None:
-                raise RuntimeError("uva_gather cuda backend: nvcc not found (set CUDA_HOME)")
-            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-            cmd = [nvcc, "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC",
-                   str(_CSRC), "-o", str(tmp)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
-            if verbose:
-                print(r.stdout, r.stderr)
-            os.replace(tmp, lib)
-        dll = ctypes.CDLL(str(lib))
+        dll = build_csrc("uva_gather")
         f = dll.oasis_uva_gather
         f.restype = ctypes.c_int
         f.argtypes = ([ctypes.c_uint64] * 7 + [ctypes.c_int64] * 7
