@@ -337,7 +337,7 @@ class SparseConfig:
         0, "demand_fetch: at most this many of the step's own top-K misses fetched on demand per request, layer and KV "
         "head, the highest-ranked first (0: every miss); bounds the copy on the step's critical path. Not a default: "
         "2, with selection_score=max_logit_b2, attended_share, fill_window and early_fetch_ratio, reaches the exact "
-        "top-K at 1/8 and dense within a point at 1/4 on SmolLM2, but costs 1.28x / 1.22x the decode step at 16 / 64 "
+        "top-K at 1/8 and dense within a point at 1/4 on SmolLM2, but costs 1.15x / 1.07x the decode step at 16 / 64 "
         "requests (H100, Qwen3-8B shapes; mostly the coded score's kernel; docs/accuracy.md).",
         "an integer >= 0 (0: every miss)", lambda v: _int(v) and v >= 0)
     fill_query: str = _opt(
