@@ -33,35 +33,33 @@ constexpr int kWarps = 4;         // warps a thread block
 constexpr int kPerWarp = 4;       // candidates a warp, in a row
 constexpr int kBlockSize = 16;    // keys a block: the product's 16 rows
 
-template <typename T> struct Mma;
+// One m16n8k16 product, fp32 accumulate, on 16-bit operands of PTX type TY ("bf16" / "f16").
+#define OASIS_MMA_16816(TY, c, a, b0, b1)                                                                     \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+               "{%0,%1,%2,%3};\n"                                                                             \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 
-template <> struct Mma<__nv_bfloat16> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
+// The 16-bit type's conversions and product: T is __nv_bfloat16 or __half.
+template <typename T>
+struct Mma {
+  static constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  __device__ static uint32_t pack(float lo, float hi) {  // lo in the low half, as the fragments order them
+    uint32_t r;
+    if constexpr (kBf16) {
+      __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+      r = *reinterpret_cast<uint32_t*>(&v);
+    } else {
+      __half2 v = __floats2half2_rn(lo, hi);
+      r = *reinterpret_cast<uint32_t*>(&v);
+    }
+    return r;
   }
-  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static float to_float(T v) {
+    if constexpr (kBf16) return __bfloat162float(v); else return __half2float(v);
+  }
   __device__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <> struct Mma<__half> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ static float to_float(__half v) { return __half2float(v); }
-  __device__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (kBf16) OASIS_MMA_16816("bf16", c, a, b0, b1); else OASIS_MMA_16816("f16", c, a, b0, b1);
   }
 };
 
