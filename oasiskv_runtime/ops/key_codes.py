@@ -374,31 +374,40 @@ def cuda_misfit(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum
     return None
 
 
-_CUDA_LIB: list = []
+_CUDA_LIBS: dict = {}
 _CUDA_LOCK = threading.Lock()
 
 
 def _cuda_lib(device: torch.device) -> ctypes.CDLL:
-    """``csrc/coded_scores.cu`` built for ``device``'s architecture (once a process), its entry typed."""
-    major, minor = torch.cuda.get_device_capability(device)
-    with _CUDA_LOCK:
-        lib = build_csrc("coded_scores", f"sm_{major}{minor}")
-        f = lib.oasis_coded_scores
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_uint64] * 8 + [ctypes.c_void_p, ctypes.c_void_p,
-                                                                             ctypes.c_uint64]
-        return lib
+    """``csrc/coded_scores.cu`` built for ``device``'s architecture (once a process and architecture), its entry
+    typed. Raises RuntimeError (no nvcc, or it failed) or OSError (the library does not load)."""
+    arch = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+    lib = _CUDA_LIBS.get(arch)
+    if lib is None:
+        with _CUDA_LOCK:
+            lib = build_csrc("coded_scores", arch)
+            f = lib.oasis_coded_scores
+            f.restype = ctypes.c_int
+            f.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_uint64] * 8
+                          + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64])
+            _CUDA_LIBS[arch] = lib
+    return lib
+
+
+_CUDA_OK: dict = {}
 
 
 def cuda_available(device: torch.device) -> bool:
-    """Whether the CUDA C kernel builds (nvcc) and loads here: ``auto`` falls back to Triton's ``dot`` otherwise."""
-    if not _CUDA_LIB:
+    """Whether the CUDA C kernel builds (nvcc) and loads for ``device``: ``auto`` runs Triton's ``dot`` otherwise
+    (asked once a process and device)."""
+    key = torch.device(device).index
+    if key not in _CUDA_OK:
         try:
             _cuda_lib(device)
-            _CUDA_LIB.append(True)
-        except RuntimeError:
-            _CUDA_LIB.append(False)
-    return _CUDA_LIB[0]
+            _CUDA_OK[key] = True
+        except (RuntimeError, OSError):
+            _CUDA_OK[key] = False
+    return _CUDA_OK[key]
 
 
 def _coded_scores_cuda(sets: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum_max: torch.Tensor,
