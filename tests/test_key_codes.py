@@ -321,6 +321,30 @@ def test_the_cuda_kernel_names_the_shapes_it_does_not_take():
     assert torch.equal(coded_scores(q, *args, variant="cuda"), want)
 
 
+def test_the_nvcc_build_names_what_is_missing(tmp_path, monkeypatch):
+    """``build_csrc`` (the CUDA C kernels' build; ``auto`` falls back to Triton on its errors): a source that is not
+    there, no nvcc, and nvcc's own error are RuntimeErrors that say which; nothing half-built is left for a later
+    load."""
+    from oasiskv_runtime.ops import common
+
+    monkeypatch.setenv("OASISKV_BUILD_DIR", str(tmp_path / "build"))
+    with pytest.raises(RuntimeError, match="no_such_kernel.cu not found"):
+        common.build_csrc("no_such_kernel")
+    (tmp_path / "bad.cu").write_text("this is not C++\n")
+    monkeypatch.setattr(common, "CSRC", tmp_path)
+    monkeypatch.setattr(common, "find_nvcc", lambda: None)
+    with pytest.raises(RuntimeError, match="csrc/bad.cu: nvcc not found"):
+        common.build_csrc("bad")
+    monkeypatch.undo()
+    monkeypatch.setenv("OASISKV_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setattr(common, "CSRC", tmp_path)
+    if common.find_nvcc() is None:
+        pytest.skip("no nvcc on this machine for the compile-error case")
+    with pytest.raises(RuntimeError, match="nvcc failed"):
+        common.build_csrc("bad")
+    assert not list((tmp_path / "build").glob("*.so"))
+
+
 # ---- the engine that keeps them ------------------------------------------------------------------------------------
 SPARSE = ["sparse-resident", "fetch-on-demand", "proxy-prefetch", "oasiskv"]
 PROMPTS = [list(range(40, 40 + 77)), [5, 17, 33, 9, 101, 250, 7] * 9]

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 """The CUDA C sources (``csrc/<name>.cu``), beside the package in a source checkout."""
@@ -115,6 +118,7 @@ def build_csrc(name: str, arch: str = "sm_90") -> ctypes.CDLL:
                 raise RuntimeError(f"csrc/{name}.cu: nvcc not found (set CUDA_HOME)")
             tmp = lib.with_suffix(f".{os.getpid()}.tmp")
             cmd = [nvcc, "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", str(src_path), "-o", str(tmp)]
+            log.info("building csrc/%s.cu for %s with nvcc (once; kept in %s)", name, arch, cache)
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
