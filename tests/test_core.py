@@ -4,6 +4,7 @@ what the Algorithm-2 oracle selects from the prediction, copy exactly those (blo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from oasiskv_runtime.config import DebugConfig, KernelConfig
@@ -97,6 +98,26 @@ def test_fill_admits_the_whole_prediction_and_counts_it_apart():
     exported = head_map.export(42, step=8)
     assert exported["slot_map"].shape == (L, HKV, K) and exported["top_k_blocks"] == K
 
+
+
+def test_a_handed_off_map_carries_the_attended_record():
+    """Prefill-decode: the attended record a prefill seeded (``attended_blocks``: logical blocks, the same on both
+    sides) travels with the map and lands in the peer's row; a peer keeping another number of them, or none, is
+    refused by name (the decode would silently differ from one engine's)."""
+    cpu = torch.device("cpu")
+    prefill, decode = (HeadMap(3, L, HKV, K, cpu, attended_blocks=2) for _ in range(2))
+    row = prefill.row(7)
+    record = torch.randint(0, 50, (L, HKV, 2))
+    prefill.attended[row] = record
+    state = prefill.export(7, step=5)
+    decode.row(1)  # another request first: the handed-off one gets another row
+    got = decode.import_(9, state, step=20)
+    assert got != row and torch.equal(decode.attended[got], record)
+    assert torch.equal(decode.attended_ids(1, torch.tensor([got]))[0], record[1])
+    with pytest.raises(ValueError, match=rf"keeps \({L}, {HKV}, 2\) attended blocks, this engine \({L}, {HKV}, 3\)"):
+        HeadMap(3, L, HKV, K, cpu, attended_blocks=3).import_(9, state, step=20)
+    with pytest.raises(ValueError, match="attended_blocks differs between the peers"):
+        HeadMap(3, L, HKV, K, cpu).import_(9, state, step=20)
 
 def test_sinks_and_recent_blocks_are_always_in_the_top_k():
     """The first ``sink_blocks`` and the last ``recent_blocks`` candidates of each request are in every head's top-K

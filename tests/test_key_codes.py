@@ -490,14 +490,11 @@ def test_refusals_and_a_running_engine_keeps_its_codes(tiny):
     with pytest.raises(ValueError, match="reads key codes of 2 bits, which are kept from the start"):
         plain.engine.backend.configure(selection_score="max_logit_b2")
     params = SamplingParams(max_tokens=2)
-    for extra in (dict(stage_kv=True), dict(prefix=([0], torch.zeros(0), torch.zeros(0)))):
-        with pytest.raises(ValueError, match="does not run with prefill-decode hand-off or prefix-cache hits yet "
-                                             r"\(they carry no key codes\)"):
-            llm.engine.add_request(PROMPTS[0], params, **extra)
+    with pytest.raises(ValueError, match=r"does not run with prefix-cache hits yet \(they carry no key codes\)"):
+        llm.engine.add_request(PROMPTS[0], params, prefix=([0], torch.zeros(0), torch.zeros(0)))
     from oasiskv_runtime.pd.workers import check_pd_config
 
-    with pytest.raises(ValueError, match="'max_logit_b2' is not supported with prefill-decode"):
-        check_pd_config(llm.config)
+    check_pd_config(llm.config)  # prefill-decode hands the codes over (tests/test_pd.py)
 
 
 @pytest.mark.gpu

@@ -92,14 +92,22 @@ def _tokens(results: dict[str, dict]) -> list[list[int]]:
     return [results[f"r{i}"]["output_token_ids"] for i in range(len(results))]
 
 
-@pytest.mark.parametrize("mode,transfer", [("oasiskv", "rpf"), ("oasiskv", "full"), ("proxy-prefetch", "rpf"),
-                                           ("dense", "full")])
+# issue #34's tight-budget setting: blocks ranked by key codes, which the hand-off carries (the decode side has only
+# some of the keys), with the step's own misses fetched on demand
+CODED = dict(selection_score="max_logit_b2", attended_share=0.25, fill_window=8, early_fetch_ratio=1.0,
+             demand_fetch=True, demand_fetch_cap=2)
+
+
+@pytest.mark.parametrize("mode,transfer,extra", [("oasiskv", "rpf", {}), ("oasiskv", "full", {}),
+                                                 ("proxy-prefetch", "rpf", {}), ("dense", "full", {}),
+                                                 ("oasiskv", "rpf", CODED)],
+                         ids=["oasiskv-rpf", "oasiskv-full", "proxy-prefetch-rpf", "dense-full", "oasiskv-rpf-coded"])
 @pytest.mark.slow
-def test_handoff_equals_single_engine(tiny, mode, transfer):
+def test_handoff_equals_single_engine(tiny, mode, transfer, extra):
     # A budget of 3 blocks of 4 tokens per head: selection really drops blocks, misses really happen.
-    llm = LLM(tiny, mode=mode, **SMALL)
+    llm = LLM(tiny, mode=mode, **SMALL, **extra)
     single = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-    pd = InProcessPD(tiny, mode, transfer, **SMALL)
+    pd = InProcessPD(tiny, mode, transfer, **SMALL, **extra)
     try:
         res = pd.run(PROMPTS, GREEDY, one_at_a_time=True)
         # Staged KV is freed once the decode side is done with it (the "free" message may trail the result).

@@ -135,17 +135,28 @@ class HeadMap:
         continues it (prefill-decode)."""
         row = self.rows[seq_id]
         last = self.last_sel[row]
-        return {"slot_map": self.slot_map[row].to("cpu", copy=True),  # a copy: the row is reset on release
-                "last_sel": torch.where(last >= 0, last - (step - 1), torch.full_like(last, -1)).cpu(),
-                "top_k_blocks": self.k_slots}
+        out = {"slot_map": self.slot_map[row].to("cpu", copy=True),  # a copy: the row is reset on release
+               "last_sel": torch.where(last >= 0, last - (step - 1), torch.full_like(last, -1)).cpu(),
+               "top_k_blocks": self.k_slots}
+        if self.attended is not None:  # the attended record its prefill seeded (logical blocks: the same on a peer)
+            out["attended"] = self.attended[row].to("cpu", copy=True)
+        return out
 
     def import_(self, seq_id: int, state: dict, step: int) -> int:
         """Install a map :meth:`export` made on a peer, stamps rebased on ``step``; returns the request's row."""
         if state["top_k_blocks"] != self.k_slots:
             raise ValueError(f"prefill peer selects {state['top_k_blocks']} blocks per head, this engine "
                              f"{self.k_slots}: both sides need the same top_k_blocks")
+        if (self.attended is not None) != ("attended" in state):
+            raise ValueError("attended_blocks differs between the peers: both sides need the same attended_blocks / "
+                             "attended_share")
+        if self.attended is not None and state["attended"].shape != self.attended.shape[1:]:
+            raise ValueError(f"prefill peer keeps {tuple(state['attended'].shape)} attended blocks, this engine "
+                             f"{tuple(self.attended.shape[1:])}: both sides need the same attended_blocks")
         row = self.row(seq_id)
         dev = self.slot_map.device
+        if self.attended is not None:
+            self.attended[row] = state["attended"].to(dev)
         last = state["last_sel"].to(dev)
         self.slot_map[row] = state["slot_map"].to(dev)
         self.last_sel[row] = torch.where(last >= 0, last + (step - 1), torch.full_like(last, -1))

@@ -89,3 +89,17 @@ class KeyCodes:
         ``rows: [n]`` of layer ``layer``. The min/max are the keys' own, equal to their blocks' summary rows (the same
         values in the cache's dtype) once a block is full. One Triton launch on CUDA (``pack_codes_into``)."""
         pack_codes_into(self.codes[layer], rows, keys, self.bits, backend=self.backend)
+
+    def export(self, rows: torch.Tensor) -> torch.Tensor:
+        """Code rows ``rows: [n]`` of every layer, ``[L, n, block_size, Hkv, D * bits / 8]`` uint8 on the CPU (a
+        request handed to a decode peer: its full blocks' codes, which the peer cannot make without every key)."""
+        return torch.stack([c[rows] for c in self.codes]).cpu()
+
+    def install(self, rows: torch.Tensor, codes: torch.Tensor) -> None:
+        """:meth:`export`'s codes into code rows ``rows: [n]`` of every layer."""
+        want = (len(self.codes), rows.numel(), *self.codes[0].shape[1:])
+        if tuple(codes.shape) != want or codes.dtype != torch.uint8:
+            raise ValueError(f"key codes of shape {tuple(codes.shape)} ({codes.dtype}) handed over, this engine keeps "
+                             f"{want} uint8 (the peers must keep the same codes)")
+        for layer, c in enumerate(self.codes):
+            c[rows] = codes[layer].to(c.device)

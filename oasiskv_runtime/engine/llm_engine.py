@@ -165,9 +165,9 @@ class LLMEngine:
         if (stage_kv or prefix is not None) and self.config.sparse.summary_parts > 1:
             raise ValueError(f"summary_parts={self.config.sparse.summary_parts} does not run with prefill-decode "
                              "hand-off or prefix-cache hits yet (they carry one summary per block)")
-        if (stage_kv or prefix is not None) and self.kv.code_rows_per_block:
-            raise ValueError(f"selection_score={self.config.sparse.selection_score!r} does not run with prefill-decode "
-                             "hand-off or prefix-cache hits yet (they carry no key codes)")
+        if prefix is not None and self.kv.code_rows_per_block:
+            raise ValueError(f"selection_score={self.config.sparse.selection_score!r} does not run with prefix-cache "
+                             "hits yet (they carry no key codes)")
         seq = self._new_sequence(prompt_token_ids, params, request_id, arrival)
         seq.stage_kv = stage_kv
         self.scheduler.add(seq)

@@ -55,9 +55,6 @@ def check_pd_config(config: EngineConfig) -> None:
     if config.sparse.summary_parts > 1 and mode.is_sparse:
         raise ValueError(f"summary_parts={config.sparse.summary_parts} is not supported with prefill-decode yet (the "
                          "hand-off carries one summary row per block)")
-    if config.sparse.code_bits and mode.is_sparse:
-        raise ValueError(f"selection_score={config.sparse.selection_score!r} is not supported with prefill-decode yet "
-                         "(the hand-off carries no key codes)")
     if config.pd.transfer == "rpf" and not mode.uses_host_pool:
         raise ValueError(f"remote partial fetching needs a sparse host-pool decode mode, not {mode.value}: "
                          f"use --transfer full for dense decode")

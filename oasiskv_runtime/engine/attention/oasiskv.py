@@ -153,7 +153,16 @@ class OasisKVAttention:
         rows = self._hand_off_rows("export_request", blocks, context_len)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return self.pipeline.export(seq_id, rows, step)
+        state = self.pipeline.export(seq_id, rows, step)
+        if self.codes is not None:  # the full blocks' key codes (the peer keeps only some of their keys)
+            state["codes"] = self.codes.export(self._code_rows(blocks, context_len))
+        return state
+
+    def _code_rows(self, blocks, context_len: int) -> torch.Tensor:
+        """The code rows of a request's full blocks (whose codes are final: the partial last block's are written
+        by the decode steps that fill it, on either side)."""
+        full = context_len // self.dev_cache.block_size
+        return torch.tensor(blocks.code_rows[:full], dtype=torch.long, device=self.device)
 
     def import_request(self, seq_id: int, blocks, context_len: int, state: dict, step: int) -> None:
         """Install a request prefilled by a peer (its prompt KV already in the pool, at least the blocks of
@@ -166,7 +175,12 @@ class OasisKVAttention:
             raise ValueError("dense_layers read every block of the context: not supported for a request "
                              "prefilled by a peer")
         long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        if self.codes is not None and "codes" not in state:
+            raise ValueError(f"selection_score={self.sparse.selection_score!r} needs the prefill peer's key codes; "
+                             "the hand-off carries none (does the peer run the same selection_score?)")
         self.pipeline.install(seq_id, state, rows, long(blocks.host_blocks), long(blocks.slot_blocks), step)
+        if self.codes is not None:
+            self.codes.install(self._code_rows(blocks, context_len), state["codes"])
         tail = [(SeqSlice(seq_id, 0, 0, context_len, blocks.host_blocks),
                  blocks.local_block(context_len - 1, self.dev_cache.block_size))]
         for layer in range(self.num_layers):  # the partial last block into the local block
