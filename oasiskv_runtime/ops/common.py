@@ -98,10 +98,11 @@ _BUILT: dict = {}
 _BUILD_LOCK = threading.Lock()
 
 
-def build_csrc(name: str, arch: str = "sm_90") -> ctypes.CDLL:
+def build_csrc(name: str, arch: str = "sm_90", entries: Optional[dict] = None) -> ctypes.CDLL:
     """``csrc/<name>.cu`` compiled by plain nvcc (no torch headers: seconds) into a shared library for ``arch``,
     cached by source hash under ``$OASISKV_BUILD_DIR`` (default ``~/.cache/oasiskv_runtime``), loaded with ctypes
-    (once a process). Raises RuntimeError without nvcc or when it fails, with its message."""
+    and its ``entries`` (``{function: argtypes}``, each returning a C int) typed, once a process. Raises
+    RuntimeError without nvcc or when it fails, with its message (OSError: a library that does not load)."""
     with _BUILD_LOCK:
         if (name, arch) in _BUILT:
             return _BUILT[name, arch]
@@ -123,5 +124,9 @@ def build_csrc(name: str, arch: str = "sm_90") -> ctypes.CDLL:
             if r.returncode != 0:
                 raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
             os.replace(tmp, lib)
-        _BUILT[name, arch] = ctypes.CDLL(str(lib))
-        return _BUILT[name, arch]
+        dll = ctypes.CDLL(str(lib))
+        for fn, argtypes in (entries or {}).items():
+            getattr(dll, fn).restype = ctypes.c_int
+            getattr(dll, fn).argtypes = argtypes
+        _BUILT[name, arch] = dll
+        return dll

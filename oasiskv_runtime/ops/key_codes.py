@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from typing import Optional
 
 import torch
@@ -377,24 +376,13 @@ def cuda_misfit(q: torch.Tensor, codes: torch.Tensor, sum_min: torch.Tensor, sum
     return None
 
 
-_CUDA_LIBS: dict = {}
-_CUDA_LOCK = threading.Lock()
-
-
 def _cuda_lib(device: torch.device) -> ctypes.CDLL:
-    """``csrc/coded_scores.cu`` built for ``device``'s architecture (once a process and architecture), its entry
-    typed. Raises RuntimeError (no nvcc, or it failed) or OSError (the library does not load)."""
-    arch = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
-    lib = _CUDA_LIBS.get(arch)
-    if lib is None:
-        with _CUDA_LOCK:
-            lib = build_csrc("coded_scores", arch)
-            f = lib.oasis_coded_scores
-            f.restype = ctypes.c_int
-            f.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_uint64] * 8
-                          + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64])
-            _CUDA_LIBS[arch] = lib
-    return lib
+    """``csrc/coded_scores.cu`` built for ``device``'s architecture (:func:`~oasiskv_runtime.ops.common.build_csrc`:
+    once a process and architecture), its entry typed. Raises RuntimeError (no nvcc, or it failed) or OSError (the
+    library does not load)."""
+    return build_csrc("coded_scores", "sm_{}{}".format(*torch.cuda.get_device_capability(device)),
+                      {"oasis_coded_scores": [ctypes.c_int, ctypes.c_int] + [ctypes.c_uint64] * 8
+                       + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]})
 
 
 _CUDA_OK: dict = {}

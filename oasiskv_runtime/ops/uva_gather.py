@@ -42,7 +42,6 @@ references take one part at a time over ``-1``-masked id lists (no host sync to 
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import NamedTuple
 
 import torch
@@ -55,8 +54,6 @@ __all__ = ["PoolTier", "uva_gather", "uva_gather_ref", "uva_gather_blocks", "uva
 
 triton = None
 tl = None
-_CUDA_LIB = None
-_LOCK = threading.Lock()
 
 
 _next_pow2 = next_pow2
@@ -278,17 +275,8 @@ def _gather_triton(host_k, host_v, dev_k, dev_v, src, dst, heads, n, programs, c
 # --------------------------------------------------------------------------------------
 def build_cuda_extension() -> ctypes.CDLL:
     """``csrc/uva_gather.cu`` built and loaded (:func:`~oasiskv_runtime.ops.common.build_csrc`), its entry typed."""
-    global _CUDA_LIB
-    with _LOCK:
-        if _CUDA_LIB is not None:
-            return _CUDA_LIB
-        dll = build_csrc("uva_gather")
-        f = dll.oasis_uva_gather
-        f.restype = ctypes.c_int
-        f.argtypes = ([ctypes.c_uint64] * 7 + [ctypes.c_int64] * 7
-                      + [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64])
-        _CUDA_LIB = dll
-        return dll
+    return build_csrc("uva_gather", entries={"oasis_uva_gather": [ctypes.c_uint64] * 7 + [ctypes.c_int64] * 7
+                                             + [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]})
 
 
 def _gather_cuda(host_k, host_v, dev_k, dev_v, src, dst, heads, n):
