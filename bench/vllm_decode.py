@@ -16,7 +16,8 @@ our own engine's ``embedded-dense`` / ``embedded-oasiskv`` on the same prompts (
 oasiskv agreement is the within-engine bar for the plug-in's agreement with plain vLLM). A plug-in mode with
 ``+piecewise`` (``sparse-resident+piecewise``) runs with ``cuda_graphs='off'``: attention eager between vLLM's
 piecewise graphs, beside the full-graph decode of ``cuda_graphs='auto'``; ``+full`` (``oasiskv+full``) with
-``cuda_graphs='full'`` (the same as ``auto`` since the host-pool modes' full graphs became the default).
+``cuda_graphs='full'`` (the same as ``auto`` since the host-pool modes' full graphs became the default); ``+b2``
+(``oasiskv+b2``) with issue #34's setting (:data:`ISSUE34_SETTING`: key codes, demand fetch).
 ``MODE@GiB`` (``plain@55``) gives a mode its own KV budget (``--capacity`` runs: plain vLLM's cache against the
 plug-in's cache plus the working sets and summaries it allocates beside it, ``plugin_stats.oasiskv.device_bytes``;
 the host pool holds ``--host-pool-gb`` worth of requests at once, the rest wait). ``--profile`` replaces the
@@ -210,6 +211,12 @@ def profile_mode(llm, a: argparse.Namespace, vocab: int, prompts: list[list[int]
             "sync_calls": sync_calls}
 
 
+ISSUE34_SETTING = dict(selection_score="max_logit_b2", attended_share=0.25, fill_window=32, early_fetch_ratio=1.0,
+                      demand_fetch=True, demand_fetch_cap=2)
+"""``+b2``: the setting that meets issue #34's accuracy bars on SmolLM2 (docs/accuracy.md): 2-bit key codes, the
+step's own top-K misses fetched before it attends (2 a head), attended share, fill window, early cap."""
+
+
 def one_mode(a: argparse.Namespace) -> dict:
     """Run in the child: one engine, every context length (a warm-up and one stepped run per context)."""
     if a.mode.startswith("embedded-"):
@@ -219,17 +226,19 @@ def one_mode(a: argparse.Namespace) -> dict:
     from oasiskv_runtime.vllm import acceptance, engine_args, spec_decode_counts
 
     mode, _, variant = a.mode.partition("+")
-    graphs = {"": "auto", "piecewise": "off", "full": "full"}
+    graphs = {"": "auto", "piecewise": "off", "full": "full", "b2": "auto"}
     platform = "cuda" if a.device == "cuda" else "cpu"
     if mode == "plain":  # plain vLLM; plain+ngram: with the n-gram speculative decoding (one token) oasiskv runs
         if variant not in ("", "ngram"):
             raise ValueError(f"plain vLLM's variant {variant!r}: +ngram (oasiskv's n-gram drafts) or none")
         extra = engine_args(mode="dense", draft="ngram", platform=platform) if variant else {}
     elif variant not in graphs:
-        raise ValueError(f"mode variant {variant!r}: +piecewise (cuda_graphs='off') or +full (cuda_graphs='full')")
+        raise ValueError(f"mode variant {variant!r}: +piecewise (cuda_graphs='off'), +full (cuda_graphs='full') or "
+                         f"+b2 (issue #34's setting)")
     else:
+        setting = ISSUE34_SETTING if variant == "b2" else {}
         extra = engine_args(mode=mode, top_k_blocks=a.top_k, draft=a.draft, platform=platform,
-                            cuda_graphs=graphs[variant], host_pool_gb=a.host_pool_gb)
+                            cuda_graphs=graphs[variant], host_pool_gb=a.host_pool_gb, **setting)
     max_len = max(a.context) + 16
     t0 = time.perf_counter()
     kwargs = dict(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=a.dtype, seed=0,

@@ -35,6 +35,18 @@ def test_accepted_drafts_with_a_covering_budget_equal_dense_in_fewer_steps(tiny)
     assert on["num_steps"] < off["num_steps"]
 
 
+@pytest.mark.slow
+def test_demand_fetch_with_accepted_drafts_attends_a_completed_block_once(tiny):
+    """demand_fetch ranks the step's own candidates: not the block an accepted draft completed, which the step attends
+    in its local slot (the gap column); admitted as well it was attended twice, and a covering budget gave other
+    tokens than dense."""
+    dense = [o.token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
+    llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, max_num_batched_tokens=16, draft="ngram",
+              accept_drafts=True, demand_fetch=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense
+    assert llm.engine.runner.sparse_inputs.gap_rows > 0  # some steps attended a gap block
+
+
 def _check_kept_kv(engine) -> int:
     """For every request past its first decode step: each block's key summary equals the min / max of the keys in its pool rows, and
     the local block holds the pool's keys of the active block. Returns how many requests were checked."""

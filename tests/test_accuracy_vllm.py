@@ -63,6 +63,18 @@ def test_summary_rankings_and_the_recent_window_reach_the_plugin(tiny, tmp_path)
     assert plans["oasiskv"].plugin["recent_blocks"] == 1 and plans["oasiskv"].plugin["selection_score"] == "minmax_mass"
 
 
+def test_the_coded_demand_setting_reaches_the_plugin_in_the_host_pool_modes(tiny, tmp_path):
+    """Issue #34's setting (key codes, demand fetch with a cap, attended share, fill window, early cap) plans on vLLM
+    in oasiskv; the codes in sparse-resident are refused by name when the run is configured."""
+    setting = (("selection_score", "max_logit_b2"), ("attended_share", 0.25), ("fill_window", 32),
+               ("early_fetch_ratio", 1.0), ("demand_fetch", True))
+    cfg = _cfg(tiny, tmp_path, options=setting, sweep=("demand_fetch_cap", ("2",)))
+    plugin = _vllm_plan(cfg, *cfg.settings()[1]).plugin
+    assert {k: plugin[k] for k, _ in setting} == dict(setting) and plugin["demand_fetch_cap"] == 2
+    with pytest.raises(ValueError, match="host-pool modes"):
+        _cfg(tiny, tmp_path, modes=("sparse-resident",), options=setting[:1])
+
+
 def test_each_setting_plans_plain_vllm_for_dense_and_the_plugin_otherwise(tiny, tmp_path):
     cfg = _cfg(tiny, tmp_path, sweep=("top_k_blocks", ("4", "8")), kv_cache_gb=0.25, max_gen_toks=5)
     plans = {label(m, s, cfg.engine): _vllm_plan(cfg, m, s) for m, s in cfg.settings()}

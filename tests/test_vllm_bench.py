@@ -61,7 +61,8 @@ def test_vllm_plan_is_plain_vllm_for_dense_and_the_plugin_otherwise():
     assert oasis.plugin == {"mode": "oasiskv", "top_k_blocks": 8, "fetch_ratio": 0.05, "block_size": 16,
                             "sink_blocks": 0, "recent_blocks": 0, "attended_blocks": 0, "attended_share": 0.0,
                             "fill_window": 0, "early_fetch_ratio": 0.0, "early_steps": 16, "selection_score": "quest",
-                            "backend": "auto", "measure_recall": False, "draft": "ngram"}
+                            "backend": "auto", "measure_recall": False, "demand_fetch": False,
+                            "demand_fetch_cap": 0, "draft": "ngram"}
     assert sparse.plugin["draft"] == "none"  # as on the embedded engine, only oasiskv drafts
     # host_kv_gb is the plug-in's pinned pool (host_pool_gb); without it engine_args sizes it from free RAM
     pooled = plan_points([{**POINT, "engine": "vllm", "mode": "oasiskv", "host_kv_gb": 6}])[0].engine

@@ -445,9 +445,9 @@ class _Replay:
             self.monkeypatch.setattr(host_pool, "capturing", lambda: False)
 
 
-@pytest.mark.parametrize("tier, attended", [(0, 0), (2, 0), (0, 2)])
+@pytest.mark.parametrize("tier, attended, coded", [(0, 0, False), (2, 0, False), (0, 2, False), (0, 2, True)])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, monkeypatch):
+def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, coded, monkeypatch):
     """No vLLM: two host-pool runtimes (oasiskv, K = 4, cap 2; on CUDA the prefetch on its side streams) take the
     same requests (three prompts prefilled and filled, then decode steps). One runs every step eagerly; the other
     has captured a decode step of vLLM's padded static layout (four rows, one padding) before any request existed,
@@ -456,7 +456,9 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, 
     ``tier`` the replayed runtime keeps that many of its four rows in a device tier (``device_tier_gb``; the
     requests take tier rows first): where a row's full KV lives changes none of it. With ``attended`` (attention
     feedback, ``attended_blocks``) both record the same blocks, and every recorded block is in its head's working
-    set after the step (the next prediction kept it)."""
+    set after the step (the next prediction kept it). With ``coded`` (issue #34's setting: 2-bit key codes, a demand
+    fetch of at most one block a head before the step attends) both keep the same codes and fetch the same blocks on
+    demand."""
     from oasiskv_runtime.vllm.batch import plan_step
     from oasiskv_runtime.vllm.host_pool import HostPoolRuntime
     from oasiskv_runtime.vllm.requests import StepEvents
@@ -464,7 +466,9 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     layers, hq, hkv, d, nb, rows, max_len = 2, 4, 2, 64, 48, 4, 12 * BS
-    opts = VllmOptions(mode="oasiskv", top_k_blocks=4, fetch_ratio=0.5, cuda_graphs="full", attended_blocks=attended)
+    setting = dict(selection_score="max_logit_b2", demand_fetch=True, demand_fetch_cap=1) if coded else {}
+    opts = VllmOptions(mode="oasiskv", top_k_blocks=4, fetch_ratio=0.5, cuda_graphs="full", attended_blocks=attended,
+                       **setting)
     caches = [(torch.randn(nb, BS, hkv, d, device=device, dtype=dtype),
                torch.randn(nb, BS, hkv, d, device=device, dtype=dtype)) for _ in range(layers)]
     prompts = [100, 70, 130]
@@ -571,8 +575,12 @@ def test_host_pool_decode_steps_replay_like_eager_steps(device, tier, attended, 
             assert torch.equal(graphed.ws.k[layer][r * w:(r + 1) * w], eager.ws.k[layer][r * w:(r + 1) * w])
     a, b = eager.run_stats(), graphed.run_stats()
     assert b["replayed_steps"] == 5 and a["replayed_steps"] == 0
-    for key in ("fetched_bytes_per_step", "decode_request_steps", "steps", "gap_rows", "max_step_bytes_over_cap"):
+    for key in ("fetched_bytes_per_step", "decode_request_steps", "steps", "gap_rows", "max_step_bytes_over_cap",
+                "demand_fetched_blocks_per_step"):
         assert a[key] == b[key], key
+    assert (a["demand_fetched_blocks_per_step"] > 0) == coded
+    if coded:
+        assert all(torch.equal(x, y) for x, y in zip(graphed.codes.codes, eager.codes.codes))
 
 
 @pytest.mark.parametrize("window, attended", [(16, 0), (0, 2), (16, 2)])
@@ -674,13 +682,13 @@ def test_host_pool_early_caps_follow_each_requests_fill(replayed, early, monkeyp
     seen = []  # per prefetch at layer 0: {request: its cap}
     real = LookaheadPipeline.prefetch
 
-    def prefetch(self, layer, batch, pred_q, cap, row_cap=None):
+    def prefetch(self, layer, batch, pred_q, cap, row_cap=None, scores=None):
         if layer == 0:
             names = {row: r for r, row in rt.head_map.rows.items()}
             caps = [cap] * len(batch.seq_ids) if row_cap is None else row_cap.tolist()
             assert (cap, row_cap is None) == ((3, False) if early else (1, True))  # a plan as wide as the early cap
             seen.append({names[int(row)]: c for row, c in zip(batch.state_rows, caps)})
-        real(self, layer, batch, pred_q, cap, row_cap)
+        real(self, layer, batch, pred_q, cap, row_cap, scores)
 
     monkeypatch.setattr(LookaheadPipeline, "prefetch", prefetch)
     fetched = []  # blocks each decode step fetched, and at most how many its caps allow
@@ -751,6 +759,16 @@ def test_options_and_version_errors():
     assert not VllmOptions(mode="oasiskv", cuda_graphs="off").full_graphs
     with pytest.raises(ValueError, match="unknown OasisKV option"):
         VllmOptions.from_dict({"mode": "sparse-resident", "topk": 3})
+    # issue #34's setting: key codes and demand_fetch in the host-pool modes, refused elsewhere by name
+    coded = VllmOptions(mode="oasiskv", selection_score="max_logit_b2", demand_fetch=True, demand_fetch_cap=2)
+    assert coded.sparse.code_bits == 2 and coded.sparse.demand_fetch
+    assert VllmOptions.from_dict(coded.to_dict()) == coded
+    for bad, named in ((dict(selection_score="max_logit_b2"), "host-pool modes"),
+                       (dict(demand_fetch=True), "demand_fetch needs a prefetching mode"),
+                       (dict(mode="oasiskv", demand_fetch_cap=2), "needs demand_fetch=true"),
+                       (dict(mode="oasiskv", selection_score="max_logit"), "does not run on vLLM")):
+        with pytest.raises(ValueError, match=named):
+            VllmOptions(**bad)
     assert parse_version("0.26.0+cu130") == (0, 26, 0) and parse_version("0.33.0rc1") == (0, 33, 0)
     assert check_vllm_version("0.26.0") == "0.26.0" and check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
     for version in ("0.25.1", "0.33.0", "1.0.0"):
@@ -1248,15 +1266,22 @@ _HOST_STEPS = [
 ]
 
 
+_CODED = {"selection_score": "max_logit_b2", "demand_fetch": True}
+"""Issue #34's setting on vLLM: key codes, the step's own top-K misses fetched before it attends."""
+
+
 @pytest.mark.vllm
 @pytest.mark.usefixtures("_vllm")
-@pytest.mark.parametrize("mode, top_k, graphs, attended, fill, early", [
+@pytest.mark.parametrize("mode, top_k, graphs, attended, fill, early, extra", [(*case, {}) for case in [
     ("oasiskv", 16, False, 0, 0, 0), ("proxy-prefetch", 16, False, 0, 0, 0), ("oasiskv", 2, False, 0, 0, 0),
     ("proxy-prefetch", 2, False, 0, 0, 0), ("oasiskv", 2, True, 0, 0, 0), ("proxy-prefetch", 16, True, 0, 0, 0),
     ("oasiskv", 3, False, 1, 8, 0), ("oasiskv", 16, True, 4, 0, 0), ("proxy-prefetch", 2, True, 0, 8, 0),
-    ("oasiskv", 4, True, 0, 0, 1.0), ("proxy-prefetch", 4, False, 0, 0, 1.0)])
+    ("oasiskv", 4, True, 0, 0, 1.0), ("proxy-prefetch", 4, False, 0, 0, 1.0)]] + [
+    ("oasiskv", 16, False, 0, 0, 0, _CODED), ("oasiskv", 3, False, 1, 8, 1.0, {**_CODED, "demand_fetch_cap": 1}),
+    ("oasiskv", 2, True, 0, 0, 0, _CODED), ("proxy-prefetch", 2, False, 0, 0, 0, {"demand_fetch": True})],
+    ids=lambda v: "-".join(f"{k}={v}" for k, v in v.items()) if isinstance(v, dict) else None)
 def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k, graphs,
-                                                                 attended, fill, early):
+                                                                 attended, fill, early, extra):
     """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
     given by hand. Every prefill row equals causal attention (vLLM's kernel); a decode row attends exactly what its
     working set holds: with top-K covering the context, that is causal attention (exact); with top-K 2, the blocks
@@ -1271,14 +1296,17 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
     attention feedback (``attended_blocks``) and a fill by the prompt's exact attention (``fill``: ``fill_window``,
     its keys read from vLLM's cache layout) the same holds: they change only what the predictions choose.
     ``early``: early_fetch_ratio (cap 4 for a request's first 3 steps after its fill, the fixed cap 2 after): the
-    same, the caps' bound held."""
+    same, the caps' bound held. ``extra``: ``demand_fetch`` (a decode row attends the map as its demand fetch left
+    it; those copies are not the prefetch's, whose cap still holds) and the key codes (every full block's code row
+    equals the reference coding of its true keys after every step)."""
+    from oasiskv_runtime.ops.key_codes import pack_codes
     from oasiskv_runtime.vllm import connector, host_pool
     from oasiskv_runtime.vllm.requests import StepEvents
 
     torch.manual_seed(0)
     step = _Step(tiny_dir, top_k, mode, fetch_ratio=0.5, measure_recall=not graphs,
                  cuda_graphs="full" if graphs else "off", attended_blocks=attended, fill_window=fill,
-                 early_fetch_ratio=early, early_steps=3)
+                 early_fetch_ratio=early, early_steps=3, **extra)
     step.builder.full_graphs = graphs  # the builder's static plans (CUDA only in an engine)
     replays = 0
     nb = 40
@@ -1294,6 +1322,7 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
     events_box: list = []
     monkeypatch.setattr(connector, "connector_events", lambda: (True, events_box.pop()))
     rt = None
+    demanded: list[torch.Tensor] = []  # the map as the step's demand fetch left it (what the step attends)
     for actions in _HOST_STEPS:
         ev = StepEvents(free=pending)
         pending = [r for r, a in actions.items() if a == "end"]
@@ -1325,9 +1354,21 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
         k = torch.cat([keys[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
         v = torch.cat([vals[r][computed[r]:computed[r] + q_rows[r][1]] for r in order])
         table = torch.stack([tables[r] for r in order]).int()
+        demanded.clear()
+        if rt is not None and extra.get("demand_fetch") and "fetch" not in vars(rt.pipeline):
+            fetch = rt.pipeline.fetch
+
+            def fetch_and_look(layer, batch, pred, cap, fetch=fetch, **kw):
+                fetch(layer, batch, pred, cap, **kw)
+                if kw.get("demand"):
+                    demanded.append(rt.head_map.slot_map[:, 0].clone())
+            monkeypatch.setattr(rt.pipeline, "fetch", fetch_and_look)
         _, out = step.run(kv_cache, table, query_lens, seq_lens, q, k, v, pad=1 if replay else 0)
         monkeypatch.setattr(host_pool, "capturing", lambda: False)
         rt = step.impl.runtime
+        if demanded:
+            before = demanded.pop()
+        assert not demanded
         if replay:  # the replayed prediction stamped its selections with this step (the stamp written before it)
             assert int(rt.head_map.last_sel.max()) == rt.step_no
         for r in order:
@@ -1360,6 +1401,14 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
                 if a[1] and not accepted:  # the next step writes the real token where the rejected draft was
                     keys[r][computed[r]] = torch.randn(HKV, D)
                     vals[r][computed[r]] = torch.randn(HKV, D)
+        if rt.codes is not None:  # every full block's codes: its true keys coded within their min / max
+            for r in live:
+                if r in rt.head_map.rows:
+                    full = computed[r] // BS
+                    blocks = keys[r][:full * BS].view(full, BS, HKV, D)
+                    row0 = rt.head_map.rows[r] * rt.blocks_per_row
+                    want = pack_codes(blocks, blocks.amin(1), blocks.amax(1), 2)
+                    assert torch.equal(rt.codes.read(0)[row0:row0 + full], want), r
         # the working set holds the true KV of every block its map names
         for r in live:
             if r not in rt.head_map.rows:
@@ -1378,6 +1427,8 @@ def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monke
     assert st["fills"] == 4 and st["gap_rows"] >= 1 and st["fallback_steps"] == 1
     assert st["max_step_bytes_over_cap"] == 0 and st["fetched_bytes_per_step"] > 0
     assert st["replayed_steps"] == replays and (replays >= 5) == graphs
+    if extra.get("demand_fetch"):  # the prefetch's misses were fetched (its cap above counts the prefetch's only)
+        assert (st["demand_fetched_blocks_per_step"] > 0) == (top_k < 16)
     if not graphs:
         assert st["prediction_recall"] is None if top_k >= 16 else 0.0 <= st["prediction_recall"] <= 1.0
 
@@ -1672,6 +1723,28 @@ def test_oasiskv_small_budget_on_smollm2(smollm2_dir):
     keys = ("fetch_cap", "fetched_bytes_per_step", "max_fetched_bytes_per_step", "max_step_cap_bytes",
             "deferred_blocks_per_step", "initial_fill_bytes", "prediction_recall", "gap_rows", "steps")
     print(f"\nSmolLM2 oasiskv top-K 8: {({k: host[k] for k in keys})}, acceptance {acc}, texts {run['text']}")
+
+
+@pytest.mark.vllm
+def test_the_coded_demand_setting_on_smollm2(smollm2_dir):
+    """Issue #34's setting through a vLLM engine on real weights (8 blocks of ~36 per head: key codes, the step's own
+    top-K misses fetched before it attends at most 2 a head, attended share, fill window, early cap): it fetches on
+    demand, keeps the prefetch within its cap, and answers as plain vLLM does (its first word)."""
+    from oasiskv_runtime.vllm import engine_args
+
+    engine = dict(dtype="float32", max_model_len=1024, max_num_seqs=4, enforce_eager=True, max_num_batched_tokens=256,
+                  kv_cache_memory_bytes=96 << 20, seed=0)
+    setting = dict(selection_score="max_logit_b2", attended_share=0.25, fill_window=32, early_fetch_ratio=1.0,
+                   demand_fetch=True, demand_fetch_cap=2)
+    run = _run_engine(smollm2_dir, prompts=_fact_prompts(), engine=engine, max_tokens=8,
+                      **engine_args(mode="oasiskv", top_k_blocks=8, draft="ngram", **setting))[0]
+    plain = _run_engine(smollm2_dir, prompts=_fact_prompts(), engine=engine, max_tokens=8)[0]
+    host = run["stats"]["oasiskv"]
+    assert host["fills"] == 2 and host["fetched_bytes_per_step"] > 0 and host["max_step_bytes_over_cap"] == 0
+    assert host["demand_fetched_blocks_per_step"] > 0
+    print(f"\nSmolLM2 issue #34 setting on vLLM, top-K 8: {run['text']}; plain vLLM: {plain['text']}; "
+          f"demand blocks a step {host['demand_fetched_blocks_per_step']:.1f}")
+    assert [t.split()[:1] for t in run["text"]] == [t.split()[:1] for t in plain["text"]]  # the same answers
 
 
 @pytest.mark.vllm

@@ -44,11 +44,12 @@ from oasiskv_runtime.config import EngineConfig, Mode
 #: plug-in's ``cuda_graphs='full'`` (the host-pool modes' decode steps from full graphs).
 VLLM_POINT_KEYS = ("top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks", "recent_blocks",
                    "attended_blocks", "attended_share", "fill_window", "early_fetch_ratio", "early_steps",
-                   "selection_score", "backend", "measure_recall", "max_num_batched_tokens", "cuda_graphs")
+                   "selection_score", "backend", "measure_recall", "max_num_batched_tokens", "cuda_graphs",
+                   "demand_fetch", "demand_fetch_cap")
 #: Plug-in options (``engine_args``' arguments) taken from the point; plain vLLM (dense) takes none of them.
 PLUGIN_KEYS = ("top_k_blocks", "fetch_ratio", "block_size", "sink_blocks", "recent_blocks", "attended_blocks",
                "attended_share", "fill_window", "early_fetch_ratio", "early_steps", "selection_score", "backend",
-               "measure_recall")
+               "measure_recall", "demand_fetch", "demand_fetch_cap")
 #: Seconds a vLLM point may take, engine start and shutdown included, before its process is killed.
 DEFAULT_TIMEOUT_S = 3600.0
 

@@ -7,7 +7,7 @@ summary blocks, the full-KV table) arrives here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -81,6 +81,15 @@ class DecodeBatch:
         """[B] (key codes): the code row of each request's active block, logical block ``num_candidates``."""
         return self.derived("active_code_rows",
                             lambda: self.code_table.gather(1, self.num_candidates.long().unsqueeze(1)).squeeze(1))
+
+    def before_gap(self) -> "DecodeBatch":
+        """This batch without the block before the active one as a candidate of the step where ``gap_block`` holds it
+        in a local slot: the step attends it there, so a ranking of the step's own query (``demand_fetch``) must not
+        admit it as well (it would be attended twice). The batch itself when it has no gap column."""
+        if self.gap_block is None:
+            return self
+        return self.derived("before_gap", lambda: replace(
+            self, num_candidates=self.num_candidates - (self.gap_block >= 0).to(self.num_candidates.dtype), _memo={}))
 
     def qd_rows(self) -> torch.Tensor:
         """[2B]: each request's token row then its draft row, interleaved (one index op stacks both queries)."""

@@ -55,9 +55,11 @@ class KeySummaries:
 class KeyCodes:
     """Keys coded in ``bits`` bits per dimension within their block's min/max (``ops/key_codes.py``; what
     ``selection_score = "max_logit_b2"`` ranks by): one code row ``[block_size, Hkv, D * bits / 8]`` uint8 per logical
-    block. They live in blocks of the device KV cache, as the summaries do, so they count against the same budget:
-    a cache block's K and V bytes hold :meth:`rows_per_block` code rows (16 for bf16 at 2 bits: 1/16 of the KV per
-    logical block). ``codes[l]`` views layer ``l``'s K/V pair ``[2, num_blocks, block_size, Hkv, D]`` as code rows:
+    block. On the embedded engine they live in blocks of the device KV cache, as the summaries do, so they count
+    against the same budget: a cache block's K and V bytes hold :meth:`rows_per_block` code rows (16 for bf16 at 2
+    bits: 1/16 of the KV per logical block); the vLLM front end keeps them in storage of their own beside its
+    summaries (:meth:`allocate`). ``codes[l]`` views layer ``l``'s K/V pair ``[2, num_blocks, block_size, Hkv, D]`` as
+    code rows:
     block ``p``'s K bytes are rows ``p * h .. p * h + h - 1`` and its V bytes rows ``(num_blocks + p) * h ..``, with
     ``h`` = half of :meth:`rows_per_block` (``engine/kv_cache_manager.py`` lists a request's rows).
 
@@ -65,15 +67,39 @@ class KeyCodes:
     keys when a prefill chunk fills it, and at every decode step the active block's (partial until the step that
     fills it, whose write is the last; a selection ranks only full blocks)."""
 
-    def __init__(self, kv_pairs: list[torch.Tensor], bits: int, backend: str = "auto") -> None:
-        _, _, bs, hkv, d = kv_pairs[0].shape
-        check_code_bits(bits, d)
+    def __init__(self, storage: list[torch.Tensor], block_size: int, num_kv_heads: int, head_dim: int, bits: int,
+                 backend: str = "auto") -> None:
+        """``storage``: one contiguous tensor per layer whose bytes hold the code rows (:meth:`in_cache`,
+        :meth:`allocate`)."""
+        check_code_bits(bits, head_dim)
         self.bits, self.backend = bits, backend
         # stored head-major (a code row's KV heads one after another, each head's keys contiguous) and read in the
         # cache's order [rows, block_size, Hkv, bytes]: a candidate's codes for one head are one run of
         # block_size * D * bits / 8 bytes (the tensor-core and tile kernels read them 1.2x / 1.4x faster so on the H100,
         # docs/accuracy.md)
-        self.codes = [pair.view(torch.uint8).view(-1, hkv, bs, d * bits // 8).permute(0, 2, 1, 3) for pair in kv_pairs]
+        row = (num_kv_heads, block_size, head_dim * bits // 8)
+        self.codes = [t.view(torch.uint8).view(-1, *row).permute(0, 2, 1, 3) for t in storage]
+
+    @classmethod
+    def in_cache(cls, kv_pairs: list[torch.Tensor], bits: int, backend: str = "auto") -> "KeyCodes":
+        """Code rows in blocks of a KV cache: layer ``l``'s K/V pair ``[2, num_blocks, block_size, Hkv, D]`` (the
+        embedded engine's)."""
+        _, _, bs, hkv, d = kv_pairs[0].shape
+        return cls(kv_pairs, bs, hkv, d, bits, backend)
+
+    @classmethod
+    def allocate(cls, num_layers: int, rows: int, block_size: int, num_kv_heads: int, head_dim: int, bits: int,
+                 device: torch.device, backend: str = "auto") -> "KeyCodes":
+        """``rows`` zeroed code rows per layer in storage of their own (the vLLM front end's, addressed as its
+        summaries: one row per pool block)."""
+        check_code_bits(bits, head_dim)
+        shape = (rows, num_kv_heads, block_size, head_dim * bits // 8)
+        return cls([torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(num_layers)], block_size,
+                   num_kv_heads, head_dim, bits, backend)
+
+    def nbytes(self) -> int:
+        """Bytes of every layer's code rows."""
+        return sum(c.numel() for c in self.codes)
 
     @staticmethod
     def rows_per_block(element_size: int, bits: int) -> int:

@@ -87,7 +87,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                 platform: str | None = None, recent_blocks: int = 0, selection_score: str = "quest",
                 cuda_graphs: str = "auto", admission: str = "auto", host_pool_gb: float | str = "auto",
                 device_tier_gb: float = 0.0, attended_blocks: int = 0, attended_share: float = 0.0,
-                fill_window: int = 0, early_fetch_ratio: float = 0.0, early_steps: int = 16) -> dict[str, Any]:
+                fill_window: int = 0, early_fetch_ratio: float = 0.0, early_steps: int = 16,
+                demand_fetch: bool = False, demand_fetch_cap: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args(...))`` (or ``AsyncEngineArgs``).
 
     ``mode``: ``dense`` (plain vLLM: nothing of ours is added), ``sparse-resident`` (Quest on vLLM's paged cache),
@@ -113,7 +114,10 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
     (host-pool modes): the prompt's last rows whose exact attention fills a working set (``VllmOptions.fill_window``);
     0: a prediction from the last prompt token's query. ``early_fetch_ratio`` (host-pool modes): the cap of a
     request's first ``early_steps`` decode steps, as a share of ``top_k_blocks`` (``VllmOptions.early_fetch_ratio``);
-    0: ``fetch_ratio``'s cap at every step.
+    0: ``fetch_ratio``'s cap at every step. ``demand_fetch`` (host-pool modes): the step's own top-K misses fetched
+    before it attends, at most ``demand_fetch_cap`` per request, layer and KV head (0: all; ``VllmOptions``).
+    ``selection_score``: ``quest``, ``minmax_mass``, and in the host-pool modes the key codes' ``max_logit_b2`` (or
+    ``_b1`` / ``_b4``).
     ``platform``: ``cpu`` / ``cuda`` (default: vLLM's current platform).
 
     Raises :class:`UnsupportedVllmVersion` outside the supported vLLM range.
@@ -130,7 +134,8 @@ def engine_args(mode: str = "oasiskv", top_k_blocks: int = 128, fetch_ratio: flo
                        recent_blocks=recent_blocks, selection_score=selection_score, cuda_graphs=cuda_graphs,
                        admission=admission, host_pool_gb=host_pool_gb, device_tier_gb=device_tier_gb,
                        attended_blocks=attended_blocks, attended_share=attended_share, fill_window=fill_window,
-                       early_fetch_ratio=early_fetch_ratio, early_steps=early_steps)
+                       early_fetch_ratio=early_fetch_ratio, early_steps=early_steps, demand_fetch=demand_fetch,
+                       demand_fetch_cap=demand_fetch_cap)
     parsed = opts.parsed_mode
     out: dict[str, Any] = {}
     spec = speculative_config(draft)

@@ -313,10 +313,11 @@ def host_pool_batch(b: DecodeBatch, rows: torch.Tensor, ready: torch.Tensor, bou
     zero = torch.zeros_like(b.num_candidates)
     num_candidates = torch.where(ready, b.num_candidates, zero)
     next_candidates = torch.where(ready, b.next_candidates, zero)
+    table = host_table.int()  # the summaries' and the key codes' rows
     core = dataclasses.replace(
         b, seq_ids=list(b.seq_ids), state_rows=rows, local_block=local, num_candidates=num_candidates,
         next_candidates=next_candidates, slot_blocks=selection_blocks(rows, k_slots), step=step, _memo={},
-        summary_table=host_table.int(), primary_table=host_table)
+        summary_table=table, code_table=table, primary_table=host_table, gap_block=gap_block)
     return HostPoolBatch(batch=core, ready=ready, gap_block=gap_block, local_dst=torch.cat([tok_dst, draft_dst]),
                          local_src=torch.cat([b.q_rows, b.draft_rows]), next_bound=next_candidates, resident=b)
 
@@ -359,7 +360,7 @@ def fill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
         seq_ids=list(seq_ids), state_rows=rows, q_rows=q_rows, draft_rows=q_rows,
         has_draft=torch.zeros_like(rows, dtype=torch.bool), local_block=base + (n // bs) % LOCAL_SLOTS,
         local_len=n % bs, num_candidates=nc, next_candidates=nc, summary_table=host_table.int(),
-        primary_table=host_table.long(), slot_blocks=selection_blocks(rows, k_slots),
+        code_table=host_table.int(), primary_table=host_table.long(), slot_blocks=selection_blocks(rows, k_slots),
         max_candidates=max(0, max_seq_len // bs), max_next_candidates=max(0, max_seq_len // bs), step=step)
     return FillBatch(batch=batch, tail_src=req_table.gather(1, col[:, None]).view(-1), tail_dst=batch.local_block,
                      table=req_table)

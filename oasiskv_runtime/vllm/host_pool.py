@@ -15,6 +15,8 @@ Where things live:
 * **key summaries, on the device**: the same addressing (``[(rows + 1) * blocks_per_row, 1, Hkv, D]``, the scratch
   row included), rebuilt each step for the blocks it wrote into from vLLM's paged cache, as in sparse-resident
   (exact under rejected drafts).
+* **key codes** (``selection_score`` ``max_logit_b1`` / ``_b2`` / ``_b4``), on the device: a code row per summary row
+  (``KeyCodes.allocate``), written from the same runs of vLLM's paged cache right after their summaries.
 * **working sets, on the device**: ``LOCAL_SLOTS + K`` blocks per state row in a ``PagedKVCache`` of our own
   (``vllm/batch.py``: two local slots for the active block, the K selection slots of the ``HeadMap``).
 * **state rows**: a ``HeadMap`` row per running request, keyed by vLLM's request id (start / free / fill events from
@@ -26,7 +28,9 @@ rows into the local slots; summaries; vLLM's own attention for prefill rows; ONE
 working set for each decode request's ``[token, draft]``; ``pipeline.prefetch`` from the draft row's query
 (oasiskv) or the token's (proxy-prefetch), at most ``fetch_cap`` admissions per request and KV head (with
 ``early_fetch_ratio``, ``early_cap`` in a request's first ``early_steps`` decode steps); for requests whose prefill
-completes, ``pipeline.fill`` and their prompt tail into the local slot.
+completes, ``pipeline.fill`` and their prompt tail into the local slot. With ``demand_fetch``, before the sparse
+attention: the step's own top-K from the token's query, its misses fetched (``pipeline.fetch(demand=True)``; with key
+codes one read of them also scores the prefetch's query).
 """
 
 from __future__ import annotations
@@ -38,13 +42,13 @@ from typing import Any
 import torch
 
 from oasiskv_runtime.config import DebugConfig, KernelConfig, Mode, SparseConfig
-from oasiskv_runtime.core.batch import SummaryWrites
+from oasiskv_runtime.core.batch import DecodeBatch, SummaryWrites
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor
 from oasiskv_runtime.core.prefill_feedback import PromptWindows, end_of_prefill, fill_scores
 from oasiskv_runtime.core.stats import SparseStats
-from oasiskv_runtime.core.summaries import KeySummaries
+from oasiskv_runtime.core.summaries import KeyCodes, KeySummaries
 from oasiskv_runtime.ops.common import host_list_to
 from oasiskv_runtime.ops.sparse_attention import sparse_decode_attention
 from oasiskv_runtime.transfer.engine import TransferEngine
@@ -96,6 +100,9 @@ class _Step:
     """[num_tokens] each token row's flat pool row (-1: not written)."""
     summary_dest: torch.Tensor | None = None
     """[runs] the summary row each summary run rebuilds (made by the first layer that writes)."""
+    next_scores: torch.Tensor | None = None
+    """The current layer's block scores of the prefetch's query, made by its demand fetch (key codes), for its
+    prefetch to rank."""
     num_tokens: int = 0
     ended: bool = False
 
@@ -122,9 +129,11 @@ class HostPoolRuntime:
         per_block = num_layers * 2 * bs * num_kv_heads * head_dim * dtype.itemsize
         """Bytes of one block of every layer, K and V (a summary block: min and max, a row each: 1 / bs of it)."""
         check_host_memory(max_rows * self.blocks_per_row * per_block, max_rows, max_model_len)
+        bits = opts.sparse.code_bits
         if device.type == "cuda":
             rows = max_rows + tier_rows + 1
-            check_device_memory(rows * (k + LOCAL_SLOTS) * per_block + rows * self.blocks_per_row * per_block // bs,
+            summary_block = per_block // bs + per_block * bits // (16 * dtype.itemsize)  # min/max rows, key codes
+            check_device_memory(rows * (k + LOCAL_SLOTS) * per_block + rows * self.blocks_per_row * summary_block,
                                 tier_rows * self.blocks_per_row * per_block, free_device_bytes(device))
         host = PagedKVCache(num_layers, max_rows * self.blocks_per_row, bs, num_kv_heads, head_dim, dtype, "cpu",
                             pin_memory=device.type == "cuda", zero=False)
@@ -147,16 +156,20 @@ class HostPoolRuntime:
         summary_rows = (max_rows + 1) * self.blocks_per_row
         mk = lambda: torch.zeros((summary_rows, 1, num_kv_heads, head_dim), dtype=dtype, device=device)  # noqa: E731
         summaries = KeySummaries([mk() for _ in range(num_layers)], [mk() for _ in range(num_layers)], backend)
+        self.codes = KeyCodes.allocate(num_layers, summary_rows, bs, num_kv_heads, head_dim, bits, device,
+                                       backend) if bits else None
+        """Key codes (a ``max_logit_b*`` selection score): a row per summary row."""
         self.device_bytes = self.tier_bytes + sum(t.numel() * t.element_size() for t in self.ws.k + self.ws.v
                                                   + summaries.mins + summaries.maxs)
-        """Device memory beside vLLM's KV cache (outside its ``kv_cache_memory_bytes``): working sets, summaries, the
-        device tier."""
+        self.device_bytes += self.codes.nbytes() if self.codes is not None else 0
+        """Device memory beside vLLM's KV cache (outside its ``kv_cache_memory_bytes``): working sets, summaries, key
+        codes, the device tier."""
         self.stats = SparseStats(num_layers, 2 * bs * head_dim * self.ws.k[0].element_size())
         self.head_map = HeadMap(max_rows + 1, num_layers, num_kv_heads, k, device,
                                 attended_blocks=opts.sparse.attended)
         self.head_map.free_rows.remove(self.scratch_row)
         self.predictor = Predictor(summaries, num_kv_heads, k, opts.sink_blocks, backend, opts.selection_score,
-                                   scale=scale, recent_blocks=opts.recent_blocks)
+                                   scale=scale, recent_blocks=opts.recent_blocks, codes=self.codes)
         background = device.type == "cuda" and backend == "auto"
         self.transfer = TransferEngine(self.pool, self.ws, num_layers, max_rows + 1, device, backend, background)
         self.kernels = KernelConfig(backend=backend)
@@ -408,6 +421,9 @@ class HostPoolRuntime:
             rows = k_cache.index_select(0, runs.blocks).flatten(0, 1)
             self.predictor.summaries.update(layer, rows, SummaryWrites(runs=(runs.pad_idx, st.summary_dest,
                                                                              runs.reset)))
+            if self.codes is not None:  # each run's block coded within its own min/max: a partial block's codes
+                # are rewritten by the step that fills it (the last write; a selection ranks full blocks only)
+                self.codes.write(layer, st.summary_dest, rows.view(-1, self.block_size, *rows.shape[1:]))
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, output: torch.Tensor) -> None:
@@ -424,6 +440,8 @@ class HostPoolRuntime:
             core = d.batch
             if self.pipeline.debug.measure_recall:
                 self.pipeline.record_recall(layer, core, qs[:, 0])
+            if self.opts.demand_fetch:
+                st.next_scores = self._demand_fetch(layer, core, qs[:, 0], query)
             ids = self.head_map.block_ids(layer, core)                                   # [B, Hkv, K]
             gap = d.gap_block[:, None, None].expand(-1, ids.shape[1], 1)
             k_slots = ids.shape[2]
@@ -443,6 +461,25 @@ class HostPoolRuntime:
             res = dense if d is None else torch.where(d.ready[:, None, None, None], res, dense)
         output[b.q_rows] = res[:, 0].to(output.dtype)
         output[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0]).to(output.dtype)
+
+    def _demand_fetch(self, layer: int, core: DecodeBatch, q: torch.Tensor, query: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """``demand_fetch``: the step's own top-K from its token's query ``q`` ``[B, Hq, D]``, its misses fetched
+        into the working set before it is attended (at most ``demand_fetch_cap`` per request and KV head). Returns
+        the prefetch query's block scores when the key codes made them in the same read (else None).
+
+        A block an accepted draft completed (``gap_block``) is not ranked: the step attends it in its local slot."""
+        core = core.before_gap()
+        keep = self.head_map.attended_ids(layer, core.state_rows)  # None unless attended_blocks
+        pred_q = query[core.pred_rows() if self.mode is Mode.OASISKV else core.q_rows]
+        pair = self.predictor.coded_pair(layer, q, pred_q, core)
+        if pair is None:
+            pred, next_scores = self.predictor.predict(layer, q, core, next_step=False, keep=keep), None
+        else:
+            step_scores, next_scores = pair
+            pred = self.predictor.rank(step_scores, core.num_candidates, keep=keep)
+        self.pipeline.fetch(layer, core, pred, self.opts.demand_fetch_cap or self.k_slots, demand=True)
+        return next_scores
 
     def _resident(self, qs, b, key, value, k_cache, v_cache, scale) -> torch.Tensor:
         """Attention of rows without a working set over every full block of their context in vLLM's cache."""
@@ -467,7 +504,8 @@ class HostPoolRuntime:
             core = d.batch
             rows = core.pred_rows() if self.mode is Mode.OASISKV else core.q_rows
             self.pipeline.prefetch(layer, core, query[rows], *self.head_map.prefetch_caps(
-                core, self.cap, self.early_cap, self.early_steps))
+                core, self.cap, self.early_cap, self.early_steps), scores=st.next_scores)
+            st.next_scores = None
         f = st.fill
         if self.windows is not None and st.prefill_spans:  # the last rows of chunks that do not complete a prompt
             done = set(f.batch.seq_ids) if f is not None else set()

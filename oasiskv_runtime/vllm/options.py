@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
 
-from oasiskv_runtime.config import EngineConfig, Mode, SparseConfig
+from oasiskv_runtime.config import CODED_KEY_SCORES, EngineConfig, Mode, SparseConfig
 
 CONFIG_KEY = "oasiskv"
 """Key of our options in ``additional_config``."""
@@ -22,7 +22,11 @@ VLLM_MODES = (Mode.DENSE, Mode.SPARSE_RESIDENT, Mode.PROXY_PREFETCH, Mode.OASISK
 """Modes the vLLM front end accepts (``fetch-on-demand`` is an embedded-engine baseline only)."""
 
 VLLM_SCORES = ("quest", "minmax_mass")
-"""Block rankings the vLLM front end runs: the ones that read only the per-block summaries."""
+"""Block rankings the vLLM front end runs in every mode: the ones that read only the per-block summaries."""
+
+VLLM_HOST_POOL_SCORES = VLLM_SCORES + tuple(CODED_KEY_SCORES)
+"""And in the host-pool modes: the key codes' (``max_logit_b1`` / ``_b2`` / ``_b4``), kept beside the host pool's
+summaries (sparse-resident reads vLLM's own blocks and keeps no codes)."""
 
 _SPECS = EngineConfig.options()
 
@@ -63,7 +67,15 @@ class VllmOptions:
     """How many of a request's first decode steps get ``early_fetch_ratio``'s cap (the embedded engine's option)."""
     selection_score: str = _default("selection_score")
     """``quest`` or ``minmax_mass`` (both read the per-block summaries; ``attention`` and ``gauss`` are
-    embedded-engine study settings)."""
+    embedded-engine study settings); in the host-pool modes also ``max_logit_b1`` / ``_b2`` / ``_b4`` (the key codes,
+    written where the summaries are rebuilt, in device memory beside vLLM's cache: ``bits / 16`` of a 16-bit KV's
+    key and value bytes of each state row)."""
+    demand_fetch: bool = _default("demand_fetch")
+    """Host-pool modes: before a decode step attends, rank with the step's own query and fetch the blocks of that
+    top-K the prefetch missed (the embedded engine's option; with the key codes one read of them scores the step's
+    query and the prefetch's)."""
+    demand_fetch_cap: int = _default("demand_fetch_cap")
+    """``demand_fetch``: at most this many misses per request, layer and KV head (0: every one)."""
     summary_parts: int = _default("summary_parts")
     """1 only: summary rows per block other than one run on the embedded engine only for now (refused here)."""
     backend: str = _default("backend")
@@ -105,11 +117,14 @@ class VllmOptions:
             raise ValueError(f"summary_parts={self.summary_parts}: summary_parts runs on the embedded engine only for "
                              "now (vLLM's plug-in keeps one summary row per block)")
         self.sparse  # noqa: B018 - the engine's own checks across these options (sinks + recent window < K)
-        if self.selection_score not in VLLM_SCORES:
+        if self.selection_score not in VLLM_HOST_POOL_SCORES:
             raise ValueError(f"selection_score {self.selection_score!r} does not run on vLLM; choose one of: "
-                             f"{', '.join(VLLM_SCORES)} (attention, gauss and the split Quest bounds read every "
-                             f"key, quest_rank was measured under quest: embedded-engine study settings; the key "
-                             f"codes of max_logit_b1/_b2/_b4 are kept by the embedded engine only for now)")
+                             f"{', '.join(VLLM_HOST_POOL_SCORES)} (attention, gauss and the split Quest bounds read "
+                             f"every key, quest_rank was measured under quest: embedded-engine study settings)")
+        if self.selection_score not in VLLM_SCORES and self.parsed_mode is Mode.SPARSE_RESIDENT:
+            raise ValueError(f"selection_score {self.selection_score!r} reads key codes, which the vLLM front end keeps "
+                             f"in the host-pool modes (proxy-prefetch, oasiskv) only; sparse-resident there ranks "
+                             f"vLLM's own blocks by {', '.join(VLLM_SCORES)}")
         if self.cuda_graphs not in ("auto", "full", "off"):
             raise ValueError(f"cuda_graphs on vLLM is auto, full or off, got {self.cuda_graphs!r} (static is the "
                              f"embedded engine's CPU test layout)")
@@ -129,7 +144,7 @@ class VllmOptions:
             name = "attended_blocks" if self.attended_blocks else "attended_share"
             raise ValueError(f"{name} is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
                              f"{self.mode}: sparse-resident there keeps no per-request record between steps")
-        if self.enabled:  # the engine's per-mode rules (fill_window, early_fetch_ratio: the prefetching modes only)
+        if self.enabled:  # the engine's per-mode rules (fill_window, early_fetch_ratio, demand_fetch: prefetching modes)
             self.sparse.check_mode(self.parsed_mode)
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")
@@ -142,7 +157,8 @@ class VllmOptions:
                             recent_blocks=self.recent_blocks, selection_score=self.selection_score,
                             attended_blocks=self.attended_blocks, attended_share=self.attended_share,
                             fill_window=self.fill_window, early_fetch_ratio=self.early_fetch_ratio,
-                            early_steps=self.early_steps)
+                            early_steps=self.early_steps, demand_fetch=self.demand_fetch,
+                            demand_fetch_cap=self.demand_fetch_cap)
 
     @property
     def parsed_mode(self) -> Mode:

@@ -62,7 +62,7 @@ class OasisKVAttention:
                                 self.sparse.attended)
         self.windows = PromptWindows(self.sparse.fill_window) if self.sparse.fill_window else None
         """``fill_window``: the last prompt rows of requests prefilled in chunks."""
-        self.codes = KeyCodes(device_cache.pairs, self.sparse.code_bits, backend) if self.sparse.code_bits else None
+        self.codes = KeyCodes.in_cache(device_cache.pairs, self.sparse.code_bits, backend) if self.sparse.code_bits else None
         """Key codes (``selection_score = "max_logit_b2"``): kept in blocks of the device cache, as the summaries."""
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
                                    self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
@@ -315,14 +315,16 @@ class OasisKVAttention:
                 cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
                 self.pipeline.fetch(layer, b, pred, cap)
             elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
-                # the codes read once for the step's and the prefetch's scores (None: the selection reads no codes)
-                pair = None if pred_q is None else self.predictor.coded_pair(layer, q_norm, pred_q, b)
+                # (not a block an accepted draft completed: attended in its local slot, it would count twice); the
+                # codes read once for the step's and the prefetch's scores (None: the selection reads no codes)
+                db = b.before_gap()
+                pair = None if pred_q is None else self.predictor.coded_pair(layer, q_norm, pred_q, db)
                 if pair is None:
-                    pred = self.predictor.predict(layer, q_norm, b, next_step=False, keep=keep)
+                    pred = self.predictor.predict(layer, q_norm, db, next_step=False, keep=keep)
                 else:
                     step_scores, next_scores = pair
-                    pred = self.predictor.rank(step_scores, b.num_candidates, keep=keep)
-                self.pipeline.fetch(layer, b, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
+                    pred = self.predictor.rank(step_scores, db.num_candidates, keep=keep)
+                self.pipeline.fetch(layer, db, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
                                     demand=True)
             block_ids = self.head_map.block_ids(layer, b)
         n_slots = block_ids.shape[2]
