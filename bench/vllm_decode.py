@@ -236,7 +236,7 @@ def one_mode(a: argparse.Namespace) -> dict:
         raise ValueError(f"mode variant {variant!r}: +piecewise (cuda_graphs='off'), +full (cuda_graphs='full') or "
                          f"+b2 (issue #34's setting)")
     else:
-        setting = ISSUE34_SETTING if variant == "b2" else {}
+        setting = {**(ISSUE34_SETTING if variant == "b2" else {}), **a.plugin_set}
         extra = engine_args(mode=mode, top_k_blocks=a.top_k, draft=a.draft, platform=platform,
                             cuda_graphs=graphs[variant], host_pool_gb=a.host_pool_gb, **setting)
     max_len = max(a.context) + 16
@@ -356,6 +356,9 @@ def main() -> None:
                     "(OASISKV_HOST_TIMERS=1; plugin_stats.host_ms; a few microseconds per layer)")
     ap.add_argument("--host-pool-gb", default="auto", type=lambda v: v if v == "auto" else float(v),
                     help="engine_args' host_pool_gb for the host-pool modes (auto: 80%% of available host memory)")
+    ap.add_argument("--plugin-set", type=json.loads, default={},
+                    help="JSON object of engine_args options for every plug-in mode, after +b2's setting (e.g. "
+                         "'{\"demand_fetch\": true, \"demand_fetch_cap\": 2}')")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
     ap.add_argument("--out", default="vllm-decode.json")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # the child: JSON args
@@ -367,7 +370,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="vllm-decode-"))
     mdir = str(vllm_model(a.model, root).path)  # the weights are vLLM's dummy ones here, whatever the model
     results = {"model": a.model, "random_weights": True, "batch": a.batch, "kv_gb": a.kv_gb, "capacity": a.capacity,
-               "top_k_blocks": a.top_k, "output_len": a.output_len, "modes": {}}
+               "top_k_blocks": a.top_k, "output_len": a.output_len, "plugin_set": a.plugin_set, "modes": {}}
     for mode in a.modes.split(","):
         name, _, kv = mode.partition("@")  # plain@55: this mode's own KV budget (GiB)
         child = dict(mode=name, model_dir=mdir, batch=a.batch, context=[int(x) for x in a.context.split(",")],
@@ -375,7 +378,7 @@ def main() -> None:
                      batched_tokens=a.batched_tokens,
                      device=a.device, dtype=a.dtype, draft=a.draft, profile=a.profile,
                      profile_tokens=a.profile_tokens, preset=a.model, host_timers=a.host_timers,
-                     capacity=a.capacity, host_pool_gb=a.host_pool_gb)
+                     capacity=a.capacity, host_pool_gb=a.host_pool_gb, plugin_set=a.plugin_set)
         try:
             env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function
             if a.host_timers:
