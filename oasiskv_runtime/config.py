@@ -337,8 +337,9 @@ class SparseConfig:
         0, "demand_fetch: at most this many of the step's own top-K misses fetched on demand per request, layer and KV "
         "head, the highest-ranked first (0: every miss); bounds the copy on the step's critical path. Not a default: "
         "2, with selection_score=max_logit_b2, attended_share, fill_window and early_fetch_ratio, reaches the exact "
-        "top-K at 1/8 and dense within a point at 1/4 on SmolLM2, but costs 1.15x / 1.07x the decode step at 16 / 64 "
-        "requests (H100, Qwen3-8B shapes; mostly the coded score's kernel; docs/accuracy.md).",
+        "top-K at 1/8 and dense within a point at 1/4 on SmolLM2, but costs 1.35x oasiskv's decode step at 16 "
+        "requests (the codes and the demand fetch; H100, Qwen3-8B shapes), 1.74x on vLLM with the whole setting "
+        "(docs/accuracy.md, docs/vllm.md).",
         "an integer >= 0 (0: every miss)", lambda v: _int(v) and v >= 0)
     fill_query: str = _opt(
         "draft", "oasiskv: which query predicts the working set filled when a prefill completes: draft (the prefill "
