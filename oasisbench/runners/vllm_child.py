@@ -32,7 +32,7 @@ RESULT, PROGRESS = "result.json", "progress.json"
 HOST_POOL_STATS = ("fetched_blocks_per_step", "fetched_bytes_per_step", "max_fetched_bytes_per_step",
                    "deferred_blocks_per_step", "initial_fill_bytes", "prediction_recall", "fetch_cap",
                    "max_step_cap_bytes", "max_step_bytes_over_cap", "fills", "gap_rows", "fallback_steps",
-                   "host_pool_rows", "device_tier_rows")
+                   "host_pool_rows", "device_tier_rows", "demand_fetched_blocks_per_step", "device_bytes")
 #: Per-layer counters of the plug-in's attention (``collect_stats``), as differences over the timed run.
 LAYER_STATS = ("decode_rows", "draft_rows", "sparse_rows")
 

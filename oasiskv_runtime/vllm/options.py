@@ -122,9 +122,9 @@ class VllmOptions:
                              f"{', '.join(VLLM_HOST_POOL_SCORES)} (attention, gauss and the split Quest bounds read "
                              f"every key, quest_rank was measured under quest: embedded-engine study settings)")
         if self.selection_score not in VLLM_SCORES and self.parsed_mode is Mode.SPARSE_RESIDENT:
-            raise ValueError(f"selection_score {self.selection_score!r} reads key codes, which the vLLM front end keeps "
-                             f"in the host-pool modes (proxy-prefetch, oasiskv) only; sparse-resident there ranks "
-                             f"vLLM's own blocks by {', '.join(VLLM_SCORES)}")
+            raise ValueError(f"selection_score {self.selection_score!r} reads key codes, which the vLLM front end "
+                             f"keeps in the host-pool modes (proxy-prefetch, oasiskv) only; sparse-resident there "
+                             f"ranks vLLM's own blocks by {', '.join(VLLM_SCORES)}")
         if self.cuda_graphs not in ("auto", "full", "off"):
             raise ValueError(f"cuda_graphs on vLLM is auto, full or off, got {self.cuda_graphs!r} (static is the "
                              f"embedded engine's CPU test layout)")
@@ -144,7 +144,7 @@ class VllmOptions:
             name = "attended_blocks" if self.attended_blocks else "attended_share"
             raise ValueError(f"{name} is for the host-pool modes on vLLM (proxy-prefetch, oasiskv), not "
                              f"{self.mode}: sparse-resident there keeps no per-request record between steps")
-        if self.enabled:  # the engine's per-mode rules (fill_window, early_fetch_ratio, demand_fetch: prefetching modes)
+        if self.enabled:  # the engine's per-mode rules (fill_window, early_fetch_ratio, demand_fetch: prefetching)
             self.sparse.check_mode(self.parsed_mode)
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (vLLM's kernels), got {self.block_size}")

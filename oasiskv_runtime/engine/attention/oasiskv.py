@@ -62,7 +62,8 @@ class OasisKVAttention:
                                 self.sparse.attended)
         self.windows = PromptWindows(self.sparse.fill_window) if self.sparse.fill_window else None
         """``fill_window``: the last prompt rows of requests prefilled in chunks."""
-        self.codes = KeyCodes.in_cache(device_cache.pairs, self.sparse.code_bits, backend) if self.sparse.code_bits else None
+        bits = self.sparse.code_bits
+        self.codes = KeyCodes.in_cache(device_cache.pairs, bits, backend) if bits else None
         """Key codes (``selection_score = "max_logit_b2"``): kept in blocks of the device cache, as the summaries."""
         self.predictor = Predictor(KeySummaries(device_cache.k, device_cache.v, backend), num_kv_heads, k_slots,
                                    self.sparse.sink_blocks, backend, self.sparse.selection_score, device_cache.k,
