@@ -147,8 +147,9 @@ def test_a_split_that_does_not_divide_the_block_is_refused():
 
 @pytest.mark.parametrize("name", sorted(SPLIT_PARTS) + sorted(CODED_BITS))
 def test_split_quest_needs_sparse_resident_and_not_vllm(name):
-    """The split bounds read every key (sparse-resident only); the coded keys are kept on the device, so they run in
-    every mode of the embedded engine, but not with what would need codes it does not write or carry."""
+    """The split bounds read every key (sparse-resident only; not on vLLM); the coded keys are kept on the device, so
+    they run in every mode of the embedded engine and vLLM's host-pool modes, but not with what would need codes it
+    does not write or carry."""
     assert EngineConfig.from_overrides("qwen3-8b", mode="sparse-resident", selection_score=name)
     for mode in ("dense", "fetch-on-demand", "proxy-prefetch", "oasiskv"):
         if name in CODED_BITS:
@@ -165,6 +166,12 @@ def test_split_quest_needs_sparse_resident_and_not_vllm(name):
             EngineConfig.from_overrides("qwen3-8b", mode="oasiskv", selection_score=name, summary_parts=2)
     from oasiskv_runtime.vllm.options import VllmOptions
 
+    if name in CODED_BITS:  # vLLM keeps the codes in its host-pool modes only
+        assert VllmOptions(mode="oasiskv", selection_score=name).sparse.code_bits == CODED_BITS[name]
+        with pytest.raises(ValueError, match=f"selection_score '{name}' reads key codes, which the vLLM front end "
+                                             "keeps in the host-pool modes"):
+            VllmOptions(mode="sparse-resident", selection_score=name)
+        return
     with pytest.raises(ValueError, match=f"selection_score '{name}' does not run on vLLM"):
         VllmOptions(mode="sparse-resident", selection_score=name)
 
