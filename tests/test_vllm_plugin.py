@@ -1279,7 +1279,7 @@ _CODED = {"selection_score": "max_logit_b2", "demand_fetch": True}
     ("oasiskv", 4, True, 0, 0, 1.0), ("proxy-prefetch", 4, False, 0, 0, 1.0)]] + [
     ("oasiskv", 16, False, 0, 0, 0, _CODED), ("oasiskv", 3, False, 1, 8, 1.0, {**_CODED, "demand_fetch_cap": 1}),
     ("oasiskv", 2, True, 0, 0, 0, _CODED), ("proxy-prefetch", 2, False, 0, 0, 0, {"demand_fetch": True})],
-    ids=lambda v: "-".join(f"{k}={v}" for k, v in v.items()) if isinstance(v, dict) else None)
+    ids=lambda p: "-".join(f"{k}={x}" for k, x in p.items()) or "defaults" if isinstance(p, dict) else None)
 def test_host_pool_by_hand_prefill_decode_drafts_and_block_reuse(tiny_dir, monkeypatch, mode, top_k, graphs,
                                                                  attended, fill, early, extra):
     """The host-pool modes through vLLM's builder and our implementation, one layer, with the connector's events
