@@ -83,6 +83,23 @@ class LookaheadPipeline:
                                    copies=self.kernels.gather_copies, hint=self.kernels.gather_hint, count=count)
         self.transfer.mark(layer, stream)
 
+    def demand_fetch(self, layer: int, batch: DecodeBatch, query: torch.Tensor, pred_q: torch.Tensor | None, cap: int,
+                     keep: torch.Tensor | None) -> torch.Tensor | None:
+        """``demand_fetch``, before layer ``layer``'s attention: the step's own top-K from ``query`` ``[B, Hq, D]``
+        (keeping ``keep``, ``attended_ids``' blocks), its misses fetched into the working set, at most ``cap`` per
+        request and KV head. A block an accepted draft completed is not ranked (``DecodeBatch.before_gap``: the step
+        attends it in its local slot). With key codes one read of them also scores ``pred_q``, the prefetch's query:
+        returns those scores for :meth:`prefetch` (``scores``), else None."""
+        batch = batch.before_gap()
+        pair = None if pred_q is None else self.predictor.coded_pair(layer, query, pred_q, batch)
+        if pair is None:
+            pred, next_scores = self.predictor.predict(layer, query, batch, next_step=False, keep=keep), None
+        else:
+            step_scores, next_scores = pair
+            pred = self.predictor.rank(step_scores, batch.num_candidates, keep=keep)
+        self.fetch(layer, batch, pred, cap, demand=True)
+        return next_scores
+
     def prefetch(self, layer: int, batch: DecodeBatch, pred_q: torch.Tensor, cap: int,
                  row_cap: torch.Tensor | None = None, scores: torch.Tensor | None = None) -> None:
         """After layer ``layer``'s attention: predict the next step's top-K from ``pred_q`` ``[B, Hq, D]``, select

@@ -29,7 +29,7 @@ working set for each decode request's ``[token, draft]``; ``pipeline.prefetch`` 
 (oasiskv) or the token's (proxy-prefetch), at most ``fetch_cap`` admissions per request and KV head (with
 ``early_fetch_ratio``, ``early_cap`` in a request's first ``early_steps`` decode steps); for requests whose prefill
 completes, ``pipeline.fill`` and their prompt tail into the local slot. With ``demand_fetch``, before the sparse
-attention: the step's own top-K from the token's query, its misses fetched (``pipeline.fetch(demand=True)``; with key
+attention: the step's own top-K from the token's query, its misses fetched (``pipeline.demand_fetch``; with key
 codes one read of them also scores the prefetch's query).
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from oasiskv_runtime.config import DebugConfig, KernelConfig, Mode, SparseConfig
-from oasiskv_runtime.core.batch import DecodeBatch, SummaryWrites
+from oasiskv_runtime.core.batch import SummaryWrites
 from oasiskv_runtime.core.head_map import HeadMap
 from oasiskv_runtime.core.pipeline import LookaheadPipeline
 from oasiskv_runtime.core.predictor import Predictor
@@ -440,8 +440,11 @@ class HostPoolRuntime:
             core = d.batch
             if self.pipeline.debug.measure_recall:
                 self.pipeline.record_recall(layer, core, qs[:, 0])
-            if self.opts.demand_fetch:
-                st.next_scores = self._demand_fetch(layer, core, qs[:, 0], query)
+            if self.opts.demand_fetch:  # the step's own top-K misses, before attending
+                pred_q = query[core.pred_rows() if self.mode is Mode.OASISKV else core.q_rows]
+                st.next_scores = self.pipeline.demand_fetch(layer, core, qs[:, 0], pred_q,
+                                                            self.opts.demand_fetch_cap or self.k_slots,
+                                                            self.head_map.attended_ids(layer, core.state_rows))
             ids = self.head_map.block_ids(layer, core)                                   # [B, Hkv, K]
             gap = d.gap_block[:, None, None].expand(-1, ids.shape[1], 1)
             k_slots = ids.shape[2]
@@ -461,25 +464,6 @@ class HostPoolRuntime:
             res = dense if d is None else torch.where(d.ready[:, None, None, None], res, dense)
         output[b.q_rows] = res[:, 0].to(output.dtype)
         output[b.pred_rows()] = torch.where(b.has_draft[:, None, None], res[:, 1], res[:, 0]).to(output.dtype)
-
-    def _demand_fetch(self, layer: int, core: DecodeBatch, q: torch.Tensor, query: torch.Tensor
-                      ) -> torch.Tensor | None:
-        """``demand_fetch``: the step's own top-K from its token's query ``q`` ``[B, Hq, D]``, its misses fetched
-        into the working set before it is attended (at most ``demand_fetch_cap`` per request and KV head). Returns
-        the prefetch query's block scores when the key codes made them in the same read (else None).
-
-        A block an accepted draft completed (``gap_block``) is not ranked: the step attends it in its local slot."""
-        core = core.before_gap()
-        keep = self.head_map.attended_ids(layer, core.state_rows)  # None unless attended_blocks
-        pred_q = query[core.pred_rows() if self.mode is Mode.OASISKV else core.q_rows]
-        pair = self.predictor.coded_pair(layer, q, pred_q, core)
-        if pair is None:
-            pred, next_scores = self.predictor.predict(layer, q, core, next_step=False, keep=keep), None
-        else:
-            step_scores, next_scores = pair
-            pred = self.predictor.rank(step_scores, core.num_candidates, keep=keep)
-        self.pipeline.fetch(layer, core, pred, self.opts.demand_fetch_cap or self.k_slots, demand=True)
-        return next_scores
 
     def _resident(self, qs, b, key, value, k_cache, v_cache, scale) -> torch.Tensor:
         """Attention of rows without a working set over every full block of their context in vLLM's cache."""

@@ -316,17 +316,8 @@ class OasisKVAttention:
                 cap = self.sparse.fetch_cap if self.sparse.fetch_on_demand_cap else self.sparse.top_k_blocks
                 self.pipeline.fetch(layer, b, pred, cap)
             elif self.sparse.demand_fetch:  # the prefetch's misses of the step's own top-K, before attending
-                # (not a block an accepted draft completed: attended in its local slot, it would count twice); the
-                # codes read once for the step's and the prefetch's scores (None: the selection reads no codes)
-                db = b.before_gap()
-                pair = None if pred_q is None else self.predictor.coded_pair(layer, q_norm, pred_q, db)
-                if pair is None:
-                    pred = self.predictor.predict(layer, q_norm, db, next_step=False, keep=keep)
-                else:
-                    step_scores, next_scores = pair
-                    pred = self.predictor.rank(step_scores, db.num_candidates, keep=keep)
-                self.pipeline.fetch(layer, db, pred, self.sparse.demand_fetch_cap or self.sparse.top_k_blocks,
-                                    demand=True)
+                next_scores = self.pipeline.demand_fetch(layer, b, q_norm, pred_q, self.sparse.demand_fetch_cap
+                                                         or self.sparse.top_k_blocks, keep)
             block_ids = self.head_map.block_ids(layer, b)
         n_slots = block_ids.shape[2]
         if b.gap_block is not None:  # a block an accepted draft completed, still in its local slot
