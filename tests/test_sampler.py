@@ -50,10 +50,10 @@ def test_draws_follow_the_filtered_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5]])
     for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=3),
               SamplingParams(temperature=1.0, top_p=0.8)):
-        n = 20_000
-        toks = torch.tensor([sample(logits, [SamplingParams(temperature=p.temperature, top_k=p.top_k,
-                                                            top_p=p.top_p, seed=s)], [0], torch.Generator())[0]
-                             for s in range(n)])
+        n = 20_000  # one row per seed, in one batch (a seeded row's draw does not depend on its batch: below)
+        toks = torch.tensor(sample(logits.expand(n, -1), [SamplingParams(temperature=p.temperature, top_k=p.top_k,
+                                                                         top_p=p.top_p, seed=s) for s in range(n)],
+                                   [0] * n, torch.Generator()))
         freq = torch.bincount(toks, minlength=7).float() / n
         want = torch.softmax(filter_logits_ref(logits[0], p), -1)
         assert float((freq - want).abs().max()) < 0.015, (p, freq, want)
