@@ -368,6 +368,10 @@ def test_code_blocks_per_request_and_their_rows(element_size, bits, rows):
     row is its own and lies in its block's K or V bytes of the K/V pair viewed as rows; the scratch request (CUDA
     graphs' padding rows) holds one."""
     assert KeyCodes.rows_per_block(element_size, bits) == rows
+    # what a memory check counts before the codes exist is what they take: 2 layers, 3 rows, block 4, 2 heads, D 16
+    kv_bytes = 2 * 3 * 2 * 4 * 2 * 16 * element_size
+    assert KeyCodes.allocate(2, 3, 4, 2, 16, bits, torch.device("cpu")).nbytes() == KeyCodes.bytes_for(
+        kv_bytes, element_size, bits)
     bs, n_dev = 4, 300
     kv = KVCacheManager(Mode.OASISKV, bs, num_device_blocks=n_dev, num_host_blocks=400, top_k_blocks=3,
                         max_model_len=2000, code_rows_per_block=rows)

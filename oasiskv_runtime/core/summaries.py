@@ -107,6 +107,12 @@ class KeyCodes:
         against ``D * bits / 8`` a code."""
         return 16 * element_size // bits
 
+    @staticmethod
+    def bytes_for(kv_bytes: int, element_size: int, bits: int) -> int:
+        """Bytes of the codes of the keys whose K and V take ``kv_bytes`` (1 / :meth:`rows_per_block` of them; 0
+        without codes): what a memory check counts before the codes exist."""
+        return kv_bytes * bits // (16 * element_size)
+
     def read(self, layer: int) -> torch.Tensor:
         return self.codes[layer]
 

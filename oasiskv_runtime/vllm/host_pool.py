@@ -132,7 +132,7 @@ class HostPoolRuntime:
         bits = opts.sparse.code_bits
         if device.type == "cuda":
             rows = max_rows + tier_rows + 1
-            summary_block = per_block // bs + per_block * bits // (16 * dtype.itemsize)  # min/max rows, key codes
+            summary_block = per_block // bs + KeyCodes.bytes_for(per_block, dtype.itemsize, bits)  # min/max, codes
             check_device_memory(rows * (k + LOCAL_SLOTS) * per_block + rows * self.blocks_per_row * summary_block,
                                 tier_rows * self.blocks_per_row * per_block, free_device_bytes(device))
         host = PagedKVCache(num_layers, max_rows * self.blocks_per_row, bs, num_kv_heads, head_dim, dtype, "cpu",
