@@ -36,13 +36,15 @@ def test_accepted_drafts_with_a_covering_budget_equal_dense_in_fewer_steps(tiny)
 
 
 @pytest.mark.slow
-def test_demand_fetch_with_accepted_drafts_attends_a_completed_block_once(tiny):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_demand_fetch_with_accepted_drafts_attends_a_completed_block_once(tiny, device):
     """demand_fetch ranks the step's own candidates: not the block an accepted draft completed, which the step attends
     in its local slot (the gap column); admitted as well it was attended twice, and a covering budget gave other
-    tokens than dense."""
-    dense = [o.token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
+    tokens than dense. On CUDA through the side streams and the fetch kernels (float32: the same tokens as dense)."""
+    on = dict(device=device, dtype="float32", **({"host_kv_bytes": 1 << 28} if device == "cuda" else {}))  # pin less
+    dense = [o.token_ids for o in LLM(tiny, **on).generate(PROMPTS, GREEDY)]
     llm = LLM(tiny, mode="oasiskv", top_k_blocks=64, block_size=4, max_num_batched_tokens=16, draft="ngram",
-              accept_drafts=True, demand_fetch=True)
+              accept_drafts=True, demand_fetch=True, **on)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == dense
     assert llm.engine.runner.sparse_inputs.gap_rows > 0  # some steps attended a gap block
 
