@@ -37,19 +37,16 @@ from oasisbench.runners.workload import WARMUP_OUTPUT_LEN, RequestRow, make_prom
 from oasisbench.suites import ENGINE_KEYS
 from oasiskv_runtime.config import EngineConfig, Mode
 
-#: Engine options a vLLM point passes on (to vLLM or to the plug-in); any other engine option must keep the
-#: embedded engine's default. ``cuda_graphs``: ``off`` runs vLLM eagerly (``enforce_eager``: no torch.compile, no
-#: CUDA graphs), ``auto`` is vLLM's default on CUDA and eager on the CPU (no graphs there; vLLM's compile would
-#: add ~35 s to each CPU engine start, whose figures are correctness, not speed); ``full`` is ``auto`` with the
-#: plug-in's ``cuda_graphs='full'`` (the host-pool modes' decode steps from full graphs).
-VLLM_POINT_KEYS = ("top_k_blocks", "fetch_ratio", "draft", "block_size", "sink_blocks", "recent_blocks",
-                   "attended_blocks", "attended_share", "fill_window", "early_fetch_ratio", "early_steps",
-                   "selection_score", "backend", "measure_recall", "max_num_batched_tokens", "cuda_graphs",
-                   "demand_fetch", "demand_fetch_cap")
 #: Plug-in options (``engine_args``' arguments) taken from the point; plain vLLM (dense) takes none of them.
 PLUGIN_KEYS = ("top_k_blocks", "fetch_ratio", "block_size", "sink_blocks", "recent_blocks", "attended_blocks",
                "attended_share", "fill_window", "early_fetch_ratio", "early_steps", "selection_score", "backend",
                "measure_recall", "demand_fetch", "demand_fetch_cap")
+#: Engine options a vLLM point passes on: the plug-in's and vLLM's own; any other engine option must keep the
+#: embedded engine's default. ``cuda_graphs``: ``off`` runs vLLM eagerly (``enforce_eager``: no torch.compile, no
+#: CUDA graphs), ``auto`` is vLLM's default on CUDA and eager on the CPU (no graphs there; vLLM's compile would
+#: add ~35 s to each CPU engine start, whose figures are correctness, not speed); ``full`` is ``auto`` with the
+#: plug-in's ``cuda_graphs='full'`` (the host-pool modes' decode steps from full graphs).
+VLLM_POINT_KEYS = PLUGIN_KEYS + ("draft", "max_num_batched_tokens", "cuda_graphs")
 #: Seconds a vLLM point may take, engine start and shutdown included, before its process is killed.
 DEFAULT_TIMEOUT_S = 3600.0
 
